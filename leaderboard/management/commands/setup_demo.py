@@ -1,0 +1,19 @@
+from django.core.management.base import BaseCommand
+
+from leaderboard.services import setup_demo
+
+
+class Command(BaseCommand):
+    help = ("Create the demo target (SmolLM2-135M from PyPI, converted once), the MT-Bench and "
+            "HumanEval prompt sets, the demo protocol and the n-gram drafter. Idempotent.")
+
+    def add_arguments(self, parser):
+        parser.add_argument("--prompts-per-task", type=int, default=None,
+                            help="prompts per task in the demo protocol "
+                                 "(default SPECBOARD_DEMO_PROMPTS_PER_TASK or 16)")
+
+    def handle(self, *args, prompts_per_task=None, **options):
+        say = lambda m: self.stdout.write(f"[setup_demo] {m}")  # noqa: E731
+        rows = setup_demo(progress=say, prompts_per_task=prompts_per_task)
+        self.stdout.write(self.style.SUCCESS(
+            f"[setup_demo] done: target {rows['target'].slug}, protocol {rows['protocol']}"))

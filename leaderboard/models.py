@@ -1,0 +1,277 @@
+"""SpecBoard's data model: targets, immutable versioned protocols, prompt sets, drafters,
+runs (one measurement) and results (one cell of a run's grid)."""
+from __future__ import annotations
+
+import hashlib
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+from worker.protocol import ProtocolSpec, canonical_json
+
+
+class Target(models.Model):
+    slug = models.SlugField(unique=True)
+    name = models.CharField(max_length=200)
+    family = models.CharField(max_length=50, default="llama")
+    path = models.CharField(max_length=500, blank=True, help_text="local checkpoint folder")
+    hub_id = models.CharField(max_length=200, blank=True)
+    revision = models.CharField(max_length=100, blank=True)
+    weights_sha256 = models.CharField(max_length=64)
+    vocab_size = models.PositiveIntegerField()
+    hidden_size = models.PositiveIntegerField()
+    num_layers = models.PositiveIntegerField()
+    has_chat_template = models.BooleanField(default=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self):
+        return self.name
+
+
+class PromptSet(models.Model):
+    FORMATS = [("spec-bench", "Spec-Bench"), ("mt-bench", "MT-Bench"), ("humaneval", "HumanEval")]
+    slug = models.SlugField(unique=True)
+    name = models.CharField(max_length=200)
+    format = models.CharField(max_length=20, choices=FORMATS)
+    source_name = models.CharField(max_length=300, help_text="file the prompts came from")
+    source_sha256 = models.CharField(max_length=64, db_index=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self):
+        return self.slug
+
+
+class Prompt(models.Model):
+    prompt_set = models.ForeignKey(PromptSet, on_delete=models.CASCADE, related_name="prompts")
+    external_id = models.CharField(max_length=100)
+    position = models.PositiveIntegerField(help_text="order in the source file")
+    category = models.CharField(max_length=50, db_index=True)
+    turns = models.JSONField()
+    reference = models.JSONField(null=True, blank=True)
+    extra = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["prompt_set", "position"]
+        constraints = [
+            models.UniqueConstraint(fields=["prompt_set", "external_id"], name="unique_prompt_id"),
+        ]
+
+    def __str__(self):
+        return f"{self.prompt_set.slug}#{self.external_id}"
+
+
+class ProtocolImmutableError(Exception):
+    """A protocol that has results is never edited: make a new version instead."""
+
+
+class Protocol(models.Model):
+    slug = models.SlugField()
+    version = models.PositiveIntegerField(default=1)
+    title = models.CharField(max_length=200, blank=True)
+    target = models.ForeignKey(Target, on_delete=models.PROTECT, related_name="protocols")
+    engine = models.CharField(max_length=50, default="vllm")
+    hardware = models.CharField(max_length=50, help_text="hardware class = Celery queue")
+    spec = models.JSONField(help_text="the canonical measurement spec")
+    sha256 = models.CharField(max_length=64, editable=False, db_index=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["slug", "-version"]
+        constraints = [
+            models.UniqueConstraint(fields=["slug", "version"], name="unique_protocol_version"),
+        ]
+
+    def __str__(self):
+        return f"{self.slug} v{self.version}"
+
+    @property
+    def spec_obj(self) -> ProtocolSpec:
+        return ProtocolSpec.from_dict(self.spec)
+
+    @property
+    def canonical_json(self):
+        return canonical_json(self.spec)
+
+    def has_results(self):
+        return self.pk is not None and Result.objects.filter(run__protocol_id=self.pk).exists()
+
+    def save(self, *args, **kwargs):
+        spec = ProtocolSpec.from_dict(self.spec)  # validates
+        self.spec = spec.to_dict()
+        self.slug, self.version = spec.slug, spec.version
+        self.engine, self.hardware = spec.engine, spec.hardware
+        new_hash = spec.sha256()
+        if self.pk is not None and new_hash != self.sha256 and self.has_results():
+            raise ProtocolImmutableError(
+                f"protocol {self.slug} v{self.version} has results and cannot be edited; "
+                f"create version {self.next_version()} instead (Protocol.new_version)")
+        self.sha256 = new_hash
+        super().save(*args, **kwargs)
+
+    def next_version(self):
+        latest = Protocol.objects.filter(slug=self.slug).aggregate(v=models.Max("version"))["v"]
+        return (latest or 0) + 1
+
+    def new_version(self, **changes):
+        """A copy of this protocol with `changes` applied to its spec, saved as the next version."""
+        spec = dict(self.spec, **changes)
+        spec["version"] = self.next_version()
+        return Protocol.objects.create(title=self.title, target=self.target, spec=spec)
+
+
+class Drafter(models.Model):
+    METHODS = [
+        ("ngram", "n-gram prompt lookup"),
+        ("draft_model", "draft model"),
+        ("eagle", "EAGLE"),
+        ("eagle3", "EAGLE-3"),
+        ("medusa", "Medusa"),
+        ("mtp", "multi-token prediction"),
+    ]
+    REVIEW_STATES = [("pending", "pending"), ("approved", "approved"),
+                     ("rejected", "rejected"), ("withdrawn", "withdrawn")]
+
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
+                              on_delete=models.SET_NULL, related_name="drafters")
+    slug = models.SlugField(unique=True)
+    name = models.CharField(max_length=200)
+    method = models.CharField(max_length=20, choices=METHODS)
+    target = models.ForeignKey(Target, on_delete=models.PROTECT, related_name="drafters")
+    params = models.JSONField(default=dict, blank=True, help_text="method parameters")
+    description = models.TextField(blank=True)
+    link = models.URLField(blank=True)
+    licence = models.CharField(max_length=100, blank=True)
+    content_sha256 = models.CharField(max_length=64, blank=True, db_index=True,
+                                      help_text="hash of the uploaded files (or of the params)")
+    claimed_acceptance_length = models.FloatField(null=True, blank=True)
+    claimed_speedup = models.FloatField(null=True, blank=True)
+    claimed_source = models.URLField(blank=True)
+    review_state = models.CharField(max_length=20, choices=REVIEW_STATES, default="approved")
+    trained_by_recipe = models.CharField(max_length=50, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self):
+        return self.name
+
+
+class DrafterFile(models.Model):
+    drafter = models.ForeignKey(Drafter, on_delete=models.CASCADE, related_name="files")
+    name = models.CharField(max_length=300, help_text="path inside the checkpoint folder")
+    file = models.FileField(upload_to="drafters/%Y/%m/")
+    size = models.BigIntegerField()
+    sha256 = models.CharField(max_length=64)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["drafter", "name"], name="unique_drafter_file"),
+        ]
+
+
+class Run(models.Model):
+    QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = (
+        "queued", "running", "succeeded", "failed", "cancelled")
+    STATES = [(s, s) for s in (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED)]
+    FINISHED = (SUCCEEDED, FAILED, CANCELLED)
+
+    drafter = models.ForeignKey(Drafter, null=True, blank=True, on_delete=models.CASCADE,
+                                related_name="runs", help_text="empty for the baseline")
+    protocol = models.ForeignKey(Protocol, on_delete=models.PROTECT, related_name="runs")
+    hardware = models.CharField(max_length=50, db_index=True)
+    state = models.CharField(max_length=20, choices=STATES, default=QUEUED, db_index=True)
+    cells_done = models.PositiveIntegerField(default=0)
+    cells_total = models.PositiveIntegerField(default=0)
+    eta_seconds = models.FloatField(null=True, blank=True)
+    attempts = models.PositiveIntegerField(default=0)
+    cancel_requested = models.BooleanField(default=False)
+    worker_host = models.CharField(max_length=200, blank=True)
+    engine_version = models.CharField(max_length=50, blank=True)
+    versions = models.JSONField(default=dict, blank=True, help_text="vllm, torch, transformers")
+    hardware_description = models.CharField(max_length=300, blank=True)
+    engine_args = models.JSONField(default=dict, blank=True)
+    error = models.TextField(blank=True)
+    log_tail = models.TextField(blank=True)
+    artifact = models.FileField(upload_to="runs/", blank=True)
+    queued_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True)
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-queued_at"]
+        indexes = [models.Index(fields=["hardware", "state", "queued_at"])]
+
+    def __str__(self):
+        who = self.drafter.name if self.drafter_id else "baseline"
+        return f"run {self.pk}: {who} under {self.protocol}"
+
+    @property
+    def is_baseline(self):
+        return self.drafter_id is None
+
+    @property
+    def progress(self):
+        return self.cells_done / self.cells_total if self.cells_total else 0.0
+
+
+class Result(models.Model):
+    """One cell of a run's grid. Unique on (run, task, batch size, temperature, k), so a
+    redelivered task never doubles a row. k = 0 for the baseline."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="results")
+    task = models.CharField(max_length=50)
+    batch_size = models.PositiveIntegerField()
+    temperature = models.FloatField()
+    k = models.PositiveIntegerField()
+    requests = models.PositiveIntegerField()
+    generated_tokens = models.PositiveIntegerField()
+    wall_seconds = models.FloatField()
+    drafts = models.PositiveIntegerField(default=0)
+    draft_tokens = models.PositiveIntegerField(default=0)
+    accepted_tokens = models.PositiveIntegerField(default=0)
+    accepted_at = models.JSONField(default=list, blank=True)
+    acceptance_length = models.FloatField(null=True, blank=True)
+    acceptance_rate = models.FloatField(null=True, blank=True)
+    per_position_acceptance = models.JSONField(default=list, blank=True)
+    conditional_acceptance = models.JSONField(default=list, blank=True)
+    output_throughput = models.FloatField(null=True)
+    ttft_mean = models.FloatField(null=True)
+    ttft_p50 = models.FloatField(null=True)
+    ttft_p90 = models.FloatField(null=True)
+    ttft_p99 = models.FloatField(null=True)
+    tpot_mean = models.FloatField(null=True)
+    tpot_p50 = models.FloatField(null=True)
+    tpot_p90 = models.FloatField(null=True)
+    tpot_p99 = models.FloatField(null=True)
+    speedup = models.FloatField(null=True, blank=True)
+    baseline_result = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL,
+                                        related_name="+", help_text="the cell speedup divides by")
+    lossless_share = models.FloatField(null=True, blank=True)
+    measured_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["run", "task", "batch_size", "temperature", "k"]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "task", "batch_size", "temperature", "k"],
+                                    name="unique_result_cell"),
+        ]
+        indexes = [models.Index(fields=["task", "batch_size"])]
+
+
+class ApiToken(models.Model):
+    """A bearer token for the REST API; only its sha256 is stored."""
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE,
+                             related_name="api_tokens")
+    name = models.CharField(max_length=100, blank=True)
+    token_sha256 = models.CharField(max_length=64, unique=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    @staticmethod
+    def hash(token: str) -> str:
+        return hashlib.sha256(token.encode()).hexdigest()

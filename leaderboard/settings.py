@@ -1,0 +1,136 @@
+"""SpecBoard settings. Every setting comes from the environment; unset means the embedded
+default (SQLite, a filesystem broker, files under var/), so that `make run` needs no server."""
+from pathlib import Path
+
+from .env import database_from_url, env_bool, env_int, env_list, env_str, persistent_secret_key
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(env_str("SPECBOARD_VAR_DIR", str(BASE_DIR / "var")))
+# Cache for demo assets (the converted demo target, package files).
+DATA_DIR = Path(env_str("SPECBOARD_DATA_DIR", str(VAR_DIR / "data")))
+
+DEBUG = env_bool("DEBUG", default=not env_str("SECRET_KEY"))
+SECRET_KEY = env_str("SECRET_KEY")
+if not SECRET_KEY:
+    if not DEBUG:
+        raise RuntimeError("SECRET_KEY must be set when DEBUG is off")
+    SECRET_KEY = persistent_secret_key(VAR_DIR / "secret_key")
+
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]", "testserver"])
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "leaderboard",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "leaderboard.urls"
+WSGI_APPLICATION = "leaderboard.wsgi.application"
+ASGI_APPLICATION = "leaderboard.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+DATABASES = {"default": database_from_url(env_str("DATABASE_URL"), VAR_DIR / "db.sqlite3")}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = VAR_DIR / "staticfiles"
+
+# Uploaded drafter files and run artifacts go through Django's storage API, so a shared
+# volume (MEDIA_ROOT) or an object store (SPECBOARD_STORAGE_BACKEND, e.g.
+# storages.backends.s3.S3Storage with its own AWS_* settings) serves remote workers.
+MEDIA_ROOT = Path(env_str("MEDIA_ROOT", str(VAR_DIR / "media")))
+MEDIA_URL = "media/"
+STORAGES = {
+    "default": {"BACKEND": env_str("SPECBOARD_STORAGE_BACKEND",
+                                   "django.core.files.storage.FileSystemStorage")},
+    "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+}
+
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "home"
+LOGOUT_REDIRECT_URL = "home"
+
+# --- Celery -------------------------------------------------------------------------
+# Embedded default: kombu's filesystem transport (no server). Production: redis://...
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "filesystem://")
+BROKER_DIR = VAR_DIR / "broker"
+# The longest run we allow; the broker's visibility timeout must exceed it so that a
+# slow run is never redelivered to a second worker while the first is still measuring.
+RUN_HARD_LIMIT_S = env_int("SPECBOARD_RUN_HARD_LIMIT_S", 6 * 3600)
+RUN_SOFT_LIMIT_S = env_int("SPECBOARD_RUN_SOFT_LIMIT_S", RUN_HARD_LIMIT_S - 300)
+# A running run whose worker has not written a heartbeat for this long is taken over.
+RUN_STALE_AFTER_S = env_int("SPECBOARD_RUN_STALE_AFTER_S", 120)
+HARDWARE_CLASSES = env_list("SPECBOARD_HARDWARE_CLASSES", ["cpu", "h100", "h200", "a100"])
+
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": RUN_HARD_LIMIT_S + 3600}
+if CELERY_BROKER_URL.startswith("filesystem://"):
+    CELERY_BROKER_TRANSPORT_OPTIONS.update(
+        data_folder_in=str(BROKER_DIR / "queue"),
+        data_folder_out=str(BROKER_DIR / "queue"),
+        processed_folder=str(BROKER_DIR / "processed"),
+        store_processed=False,
+    )
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_RESULT_BACKEND = None  # outcomes live in the database (Run, Result)
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_WORKER_CONCURRENCY = 1
+CELERY_TASK_SOFT_TIME_LIMIT = RUN_SOFT_LIMIT_S
+CELERY_TASK_TIME_LIMIT = RUN_HARD_LIMIT_S
+CELERY_TASK_DEFAULT_QUEUE = "web"
+CELERY_TASK_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+
+# Demo protocol size knobs (tests shrink them; the defaults finish in minutes on 2 cores).
+DEMO_PROMPTS_PER_TASK = env_int("SPECBOARD_DEMO_PROMPTS_PER_TASK", 16)
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
+}
