@@ -29,7 +29,7 @@ migrate: install
 	$(PY) manage.py migrate --noinput
 
 setup-demo: migrate
-	$(PY) manage.py setup_demo
+	$(PY) manage.py setup_demo --queue-runs
 
 run: setup-demo
 	$(PY) -m leaderboard.runall --host $(HOST) --port $(PORT) --demo-port $(DEMO_PORT)

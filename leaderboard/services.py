@@ -126,3 +126,16 @@ def setup_demo(progress=print, prompts_per_task=None):
     progress(f"drafter {ngram.name}: ready")
     return {"target": target, "prompt_sets": prompt_sets, "protocol": protocol,
             "drafters": [ngram]}
+
+
+def queue_demo_runs(rows):
+    """Queue the baseline and every demo drafter that has no run under the demo protocol."""
+    from .runs import queue_run
+
+    protocol, queued = rows["protocol"], []
+    if not protocol.runs.filter(drafter__isnull=True).exists():
+        queued.append(queue_run(protocol, None))
+    for drafter in rows["drafters"]:
+        if not protocol.runs.filter(drafter=drafter).exists():
+            queued.append(queue_run(protocol, drafter))
+    return queued

@@ -1,6 +1,6 @@
 from django.core.management.base import BaseCommand
 
-from leaderboard.services import setup_demo
+from leaderboard.services import queue_demo_runs, setup_demo
 
 
 class Command(BaseCommand):
@@ -11,9 +11,16 @@ class Command(BaseCommand):
         parser.add_argument("--prompts-per-task", type=int, default=None,
                             help="prompts per task in the demo protocol "
                                  "(default SPECBOARD_DEMO_PROMPTS_PER_TASK or 16)")
+        parser.add_argument("--queue-runs", action="store_true",
+                            help="queue the baseline and each demo drafter that has no run yet "
+                                 "under the demo protocol (make run does this)")
 
-    def handle(self, *args, prompts_per_task=None, **options):
+    def handle(self, *args, prompts_per_task=None, queue_runs=False, **options):
         say = lambda m: self.stdout.write(f"[setup_demo] {m}")  # noqa: E731
         rows = setup_demo(progress=say, prompts_per_task=prompts_per_task)
+        if queue_runs:
+            for run in queue_demo_runs(rows):
+                who = run.drafter.name if run.drafter_id else "baseline"
+                say(f"queued run {run.pk}: {who} ({run.cells_total} cells) on {run.hardware!r}")
         self.stdout.write(self.style.SUCCESS(
             f"[setup_demo] done: target {rows['target'].slug}, protocol {rows['protocol']}"))
