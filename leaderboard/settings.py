@@ -59,6 +59,9 @@ TEMPLATES = [
 ]
 
 DATABASES = {"default": database_from_url(env_str("DATABASE_URL"), VAR_DIR / "db.sqlite3")}
+if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+    # A file, not memory, so that a Celery worker started by a test sees the test database.
+    DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test-db.sqlite3")}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [

