@@ -2,21 +2,27 @@
 kernel) cannot take the Celery worker with it. The child streams events back: one
 ``started`` dict, then one CellResult per cell; the parent writes them to the database.
 
-The child leads its own process group (vLLM spawns an engine-core process of its own), so
-the parent can end the whole tree on cancel or time-out, and the child ends its group if
-the parent dies (a worker killed with SIGKILL must not leave an engine running).
+The child is a fresh interpreter (``python -m worker.runner``), not a multiprocessing
+child: Celery's prefork pool processes are daemonic and may not have multiprocessing
+children, and vLLM spawns an engine-core process of its own. The child leads its own
+session, so the parent can end the whole tree on cancel or time-out, and the child ends
+its group if the parent dies (a worker killed with SIGKILL must not leave an engine running).
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import queue
+import pickle
 import signal
+import subprocess
 import sys
 import threading
 import time
 import traceback
 from collections import deque
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class ChildFailed(Exception):
@@ -40,66 +46,78 @@ def _watch_parent(parent_pid):
         time.sleep(1.0)
 
 
-def _child_main(job, events, log_path, parent_pid):
-    os.setpgid(0, 0)
+def _child_main(events_fd: int, parent_pid: int):
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    # Everything the engine prints (its own processes too) goes to the run's log file.
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
-    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    events = Connection(events_fd, readable=False)
+    job = pickle.load(sys.stdin.buffer)
     from worker.measure import iter_cells
 
     try:
         for event in iter_cells(job, log=lambda m: print(m, flush=True)):
-            events.put(event)
-        events.put({"type": "done"})
+            events.send(event)
+        events.send({"type": "done"})
     except BaseException as e:  # noqa: BLE001 - everything must reach the parent
         traceback.print_exc()
-        events.put({"type": "error", "message": f"{type(e).__name__}: {e}"})
+        events.send({"type": "error", "message": f"{type(e).__name__}: {e}"})
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
 
 
 def _end_group(process):
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        pass
-    process.join(10)
-    if process.is_alive():
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
         try:
-            os.killpg(process.pid, signal.SIGKILL)
+            os.killpg(process.pid, sig)
         except (ProcessLookupError, PermissionError):
-            pass
-        process.join(5)
+            return
+        try:
+            process.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _wait_quietly(process, seconds):
+    try:
+        process.wait(seconds)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def run_job_in_child(job, log_path, on_event, should_stop, poll_seconds=2.0):
     """Measure `job` in a child process. Calls on_event(event) for each event and
     should_stop() between events and every poll; returns "done" or "stopped".
     Raises ChildFailed when the measurement fails or the child dies."""
-    ctx = mp.get_context("spawn")
-    events = ctx.Queue()
-    process = ctx.Process(target=_child_main, args=(job, events, str(log_path), os.getpid()),
-                          name="specboard-measure", daemon=False)
-    process.start()
+    read_fd, write_fd = os.pipe()
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "worker.runner", str(write_fd), str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+            pass_fds=(write_fd,), start_new_session=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    os.close(write_fd)
+    events = Connection(read_fd, writable=False)
     try:
+        process.stdin.write(pickle.dumps(job))
+        process.stdin.close()
         while True:
-            try:
-                event = events.get(timeout=poll_seconds)
-            except queue.Empty:
+            if not events.poll(poll_seconds):
                 if should_stop():
                     return "stopped"
-                if not process.is_alive():
+                if process.poll() is not None:
                     raise ChildFailed(
-                        f"the measurement process died (exit code {process.exitcode})",
+                        f"the measurement process died (exit code {process.returncode})",
                         log_tail(log_path))
                 continue
+            try:
+                event = events.recv()
+            except EOFError:
+                _wait_quietly(process, 30)
+                raise ChildFailed(
+                    f"the measurement process died (exit code {process.returncode})",
+                    log_tail(log_path)) from None
             if isinstance(event, dict) and event.get("type") == "done":
-                process.join(30)
+                _wait_quietly(process, 60)  # the engine shuts down; the group is ended below
                 return "done"
             if isinstance(event, dict) and event.get("type") == "error":
                 raise ChildFailed(event["message"], log_tail(log_path))
@@ -107,5 +125,10 @@ def run_job_in_child(job, log_path, on_event, should_stop, poll_seconds=2.0):
             if should_stop():
                 return "stopped"
     finally:
-        if process.is_alive():
+        events.close()
+        if process.poll() is None:
             _end_group(process)
+
+
+if __name__ == "__main__":
+    _child_main(int(sys.argv[1]), int(sys.argv[2]))

@@ -1,0 +1,185 @@
+"""Proposers for the reference engine: one per method behind one small interface, as in
+vLLM's ``v1/spec_decode``.
+
+A proposer drafts tokens for the sequences of a batch; the engine verifies them against
+the target. Interface:
+
+- ``start(engine, batch_size, max_slots, temperature)`` before a generation (allocate
+  state, forget the previous generation);
+- ``propose(rows, contexts, num_tokens, generators) -> list[Draft]``: for each sequence
+  still running (``rows`` are its indices in the batch, ``contexts`` its prompt and output
+  so far), up to ``num_tokens`` drafted tokens. ``Draft.probs`` is the proposal
+  distribution q over the target's vocabulary for each drafted token ([n, vocab]); None
+  means the proposer is deterministic (q is one-hot), which rejection sampling handles.
+
+A proposer learns what the target accepted from the next call's contexts, so there is no
+separate commit call: a stateful proposer (the draft model) compares its cached tokens with
+the new context and rolls back its own KV cache to their common prefix.
+
+Methods: ``ngram`` (prompt lookup) and ``draft_model`` (a smaller Llama sharing the
+tokenizer). EAGLE, EAGLE-3, Medusa and MTP heads are not implemented here: see
+``NOT_IMPLEMENTED``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from worker.engines.reference import DTYPES, Llama
+
+
+class Draft(NamedTuple):
+    tokens: list[int]
+    probs: torch.Tensor | None = None  # [len(tokens), target vocab]; None: deterministic
+
+
+class NgramProposer:
+    """Prompt lookup: find the longest n-gram (prompt_lookup_max down to prompt_lookup_min
+    tokens) that ends the context and also occurs earlier in it, and propose the tokens that
+    followed its earliest occurrence (as transformers' prompt lookup does). Deterministic."""
+
+    method = "ngram"
+
+    def __init__(self, prompt_lookup_min: int = 2, prompt_lookup_max: int = 4):
+        if not 1 <= prompt_lookup_min <= prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        self.min_n, self.max_n = int(prompt_lookup_min), int(prompt_lookup_max)
+
+    def start(self, engine, batch_size, max_slots, temperature):
+        pass
+
+    def propose(self, rows, contexts, num_tokens, generators):
+        return [Draft(self.lookup(context, n) if n > 0 else []) for context, n in zip(contexts, num_tokens)]
+
+    def lookup(self, context: list[int], num_tokens: int) -> list[int]:
+        for n in range(min(self.max_n, len(context) - 1), self.min_n - 1, -1):
+            suffix = context[-n:]
+            # Occurrences that start before the suffix itself and leave a token to propose.
+            for start in range(len(context) - n):
+                if context[start:start + n] == suffix:
+                    follow = context[start + n:start + n + num_tokens]
+                    if follow:
+                        return follow
+        return []
+
+
+class DraftModelProposer:
+    """A smaller Llama sharing the target's tokenizer, drafting autoregressively with its own
+    KV cache. Greedy at temperature 0; otherwise samples from q = softmax(logits / T) with
+    the sequence's generator and returns q for rejection sampling."""
+
+    method = "draft_model"
+
+    def __init__(self, path, dtype: str = "float32", device: str = "cpu"):
+        self.path = Path(path)
+        self.model = Llama.from_pretrained(self.path, DTYPES[dtype], device)
+        self.device = torch.device(device)
+        self.cache = None
+
+    def start(self, engine, batch_size, max_slots, temperature):
+        self.target_vocab = engine.config.vocab_size
+        self.temperature = temperature
+        self.cache = self.model.new_cache(batch_size, max_slots + 1)
+        self.cached_ids = [[] for _ in range(batch_size)]  # tokens whose KV the cache holds
+        self.synced = [0] * batch_size  # a prefix known to equal the context (never drafts)
+
+    def propose(self, rows, contexts, num_tokens, generators):
+        drafts = [Draft([]) for _ in rows]
+        todo = [i for i, n in enumerate(num_tokens) if n > 0]
+        if not todo:
+            return drafts
+        # Catch up: roll the cache back to what it shares with the context (this drops
+        # rejected drafts), then feed the rest (the bonus token, or the whole prompt at first).
+        catch_up = []
+        for i in todo:
+            row, context = rows[i], contexts[i]
+            common = self._common_prefix(row, context)
+            self.cache.rollback(row, common)
+            catch_up.append(context[common:])
+            self.cached_ids[row] = list(context)
+            self.synced[row] = len(context)
+        row_index = torch.tensor([rows[i] for i in todo], device=self.device)
+        last = torch.tensor([len(c) - 1 for c in catch_up], device=self.device)
+        logits = self.model(_right_pad(catch_up, self.device), self.cache, rows=row_index,
+                            logits_at=last[:, None])[:, 0]
+        self.cache.lengths[row_index] += last + 1
+        tokens = {i: [] for i in todo}
+        probs = {i: [] for i in todo}
+        live = list(todo)
+        for position in range(max(num_tokens[i] for i in todo)):
+            logits = self._to_target_vocab(logits)
+            step_tokens = []
+            for i, row_logits in zip(live, logits):
+                if self.temperature == 0:
+                    token = int(row_logits.argmax())
+                else:
+                    q = torch.softmax(row_logits / self.temperature, dim=-1)
+                    token = int(torch.multinomial(q, 1, generator=generators[i]))
+                    probs[i].append(q)
+                tokens[i].append(token)
+                step_tokens.append(token)
+            # Only sequences that want more drafts run the next draft forward.
+            keep = [j for j, i in enumerate(live) if len(tokens[i]) < num_tokens[i]]
+            if not keep:
+                break
+            live = [live[j] for j in keep]
+            row_index = torch.tensor([rows[i] for i in live], device=self.device)
+            new_ids = torch.tensor([[step_tokens[j]] for j in keep], device=self.device)
+            logits = self.model(new_ids, self.cache, rows=row_index)[:, 0]
+            self.cache.lengths[row_index] += 1
+            for i in live:
+                self.cached_ids[rows[i]].append(tokens[i][-1])
+        for i in todo:
+            drafts[i] = Draft(tokens[i], torch.stack(probs[i]) if probs[i] else None)
+        return drafts
+
+    def _common_prefix(self, row, context) -> int:
+        cached, common = self.cached_ids[row], self.synced[row]
+        while common < min(len(cached), len(context)) and cached[common] == context[common]:
+            common += 1
+        return min(common, len(context) - 1)  # keep one token to feed: it gives the logits
+
+    def _to_target_vocab(self, logits):
+        """Draft logits over the target's vocabulary (a draft vocabulary may be padded)."""
+        vocab = self.target_vocab
+        if logits.shape[-1] >= vocab:
+            return logits[..., :vocab]
+        pad = logits.new_full((*logits.shape[:-1], vocab - logits.shape[-1]), float("-inf"))
+        return torch.cat([logits, pad], dim=-1)
+
+
+def _right_pad(rows, device, pad=0):
+    width = max(len(r) for r in rows)
+    return torch.tensor([list(r) + [pad] * (width - len(r)) for r in rows], dtype=torch.long,
+                        device=device)
+
+
+PROPOSERS = {"ngram": NgramProposer, "draft_model": DraftModelProposer}
+
+# Methods a drafter may be submitted with that the reference engine does not run. Their
+# heads read the target's hidden states, and their checkpoint layouts differ by release
+# (EAGLE-1 ``fc`` + one decoder layer; EAGLE-3 three fused hidden states and a d2t/t2d
+# vocabulary map; Medusa heads as ResBlocks in a .pt file; MTP layers inside the target's
+# own checkpoint); with no such checkpoint here to check a loader against, they are left to
+# the vLLM engine, which reads them.
+NOT_IMPLEMENTED = ("eagle", "eagle3", "medusa", "mtp")
+
+
+def make_proposer(method: str, path: str | None = None, **params):
+    """A proposer for ``method``: ``ngram`` (params prompt_lookup_min, prompt_lookup_max) or
+    ``draft_model`` (``path`` to a Llama checkpoint sharing the target's tokenizer; params
+    dtype, device)."""
+    if method in NOT_IMPLEMENTED:
+        raise NotImplementedError(f"the reference engine has no {method} proposer; "
+                                  f"measure it with the vLLM engine")
+    if method not in PROPOSERS:
+        raise ValueError(f"unknown drafting method {method!r}; known: {sorted(PROPOSERS)}")
+    if method == "draft_model":
+        if not path:
+            raise ValueError("draft_model needs the path of the draft checkpoint")
+        return DraftModelProposer(path, **params)
+    if path:
+        raise ValueError(f"{method} takes no checkpoint path")
+    return NgramProposer(**params)
