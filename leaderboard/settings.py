@@ -1,5 +1,6 @@
 """SpecBoard settings. Every setting comes from the environment; unset means the embedded
 default (SQLite, a filesystem broker, files under var/), so that `make run` needs no server."""
+import os
 from pathlib import Path
 
 from .env import database_from_url, env_bool, env_int, env_list, env_str, persistent_secret_key
@@ -61,7 +62,8 @@ TEMPLATES = [
 DATABASES = {"default": database_from_url(env_str("DATABASE_URL"), VAR_DIR / "db.sqlite3")}
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # A file, not memory, so that a Celery worker started by a test sees the test database.
-    DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test-db.sqlite3")}
+    # One file per test process, so that two test runs on one machine never share it.
+    DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / f"test-db-{os.getpid()}.sqlite3")}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
@@ -131,9 +133,48 @@ CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 # Demo protocol size knobs (tests shrink them; the defaults finish in minutes on 2 cores).
 DEMO_PROMPTS_PER_TASK = env_int("SPECBOARD_DEMO_PROMPTS_PER_TASK", 16)
 
+# --- Gradio live demo (`manage.py demo`, run from .venv-demo) ----------------------------
+# Where the site's /demo/ page finds the Gradio app (it embeds it in an iframe).
+SPECBOARD_DEMO_URL = env_str("SPECBOARD_DEMO_URL", "http://127.0.0.1:7860/")
+# Requests waiting in the demo's queue beyond the one generating (more are turned away).
+DEMO_QUEUE_SIZE = env_int("SPECBOARD_DEMO_QUEUE_SIZE", 8)
+# torch threads of the demo process (0: torch's default), so it cannot starve the workers.
+DEMO_TORCH_THREADS = env_int("SPECBOARD_DEMO_TORCH_THREADS", 1)
+# Longest prompt (tokens) and output the demo accepts.
+DEMO_MAX_PROMPT_TOKENS = env_int("SPECBOARD_DEMO_MAX_PROMPT_TOKENS", 2048)
+DEMO_MAX_NEW_TOKENS = env_int("SPECBOARD_DEMO_MAX_NEW_TOKENS", 512)
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
 }
+
+# --- Pages and submissions ----------------------------------------------------------
+# plotly.min.js is served from the installed plotly package (no CDN, no committed copy).
+STATICFILES_FINDERS = [
+    "django.contrib.staticfiles.finders.FileSystemFinder",
+    "django.contrib.staticfiles.finders.AppDirectoriesFinder",
+    "leaderboard.staticfinders.PlotlyFinder",
+]
+# Drafters one user may submit per 24 hours (staff are not limited; 0 = no limit).
+SPECBOARD_SUBMISSIONS_PER_DAY = env_int("SPECBOARD_SUBMISSIONS_PER_DAY", 5)
+# Largest upload (all files of one drafter together, archives as decompressed).
+SPECBOARD_MAX_UPLOAD_BYTES = env_int("SPECBOARD_MAX_UPLOAD_BYTES", 20 * 1024 ** 3)
+# A sharded checkpoint may have many files (worker/checkpoint.py allows 256).
+DATA_UPLOAD_MAX_NUMBER_FILES = 300
+# The leaderboard table and the drafter page's results are cached per state of the data
+# (Django's cache: per process by default) for this long; 0 turns the cache off.
+SPECBOARD_PAGE_CACHE_SECONDS = env_int("SPECBOARD_PAGE_CACHE_SECONDS", 300)
+# Django's cache (the page fragments above): per process by default; SPECBOARD_CACHE_URL
+# shares it between web processes: redis://HOST:PORT/DB or file:///absolute/folder.
+_cache_url = env_str("SPECBOARD_CACHE_URL")
+if _cache_url.startswith(("redis://", "rediss://")):
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
+                          "LOCATION": _cache_url, "KEY_PREFIX": "specboard"}}
+elif _cache_url.startswith("file://"):
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.filebased.FileBasedCache",
+                          "LOCATION": _cache_url[len("file://"):]}}
+elif _cache_url:
+    raise ValueError(f"SPECBOARD_CACHE_URL {_cache_url!r}: use redis://... or file:///path")
