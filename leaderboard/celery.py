@@ -21,4 +21,7 @@ def ensure_broker_folders():
             os.makedirs(options[key], exist_ok=True)
 
 
+# The site may send a message before any worker has started (a submission right after
+# `make web`), so the folders are made on import, and again when a worker starts.
+ensure_broker_folders()
 worker_init.connect(lambda **_: ensure_broker_folders(), weak=False)

@@ -1,0 +1,250 @@
+"""Plotly figures for the drafter and compare pages, built with plotly.graph_objects from
+the selectors' plain dicts and rendered in the browser by the local plotly.min.js
+(static/leaderboard/charts.js). Aggregates over cells come from selectors.aggregate_cells,
+that is from summed counts through worker.metrics."""
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+from worker import metrics
+
+from .selectors import aggregate_cells
+
+PALETTE = ["#2563eb", "#d97706", "#059669", "#dc2626", "#7c3aed", "#0891b2", "#be185d",
+           "#4d7c0f", "#9a3412", "#475569"]
+ALL_TASKS = "all tasks"
+BASE_LAYOUT = dict(
+    template="none",
+    font=dict(family="system-ui, -apple-system, 'Segoe UI', Roboto, sans-serif", size=12,
+              color="#1f2937"),
+    margin=dict(l=56, r=16, t=44, b=56), height=360,
+    paper_bgcolor="#ffffff", plot_bgcolor="#ffffff",
+    legend=dict(orientation="h", y=-0.2, yanchor="top", x=0),
+    hovermode="closest",
+)
+AXIS = dict(gridcolor="#e5e7eb", zerolinecolor="#d1d5db", linecolor="#9ca3af", showline=True)
+
+
+def to_json(fig: go.Figure) -> str:
+    """The figure's JSON, safe inside <script type="application/json">: <, > and & only
+    occur inside JSON strings, where their \\u escapes mean the same."""
+    return (fig.to_json().replace("<", "\\u003c").replace(">", "\\u003e")
+            .replace("&", "\\u0026"))
+
+
+def _figure(traces, title, x_title, y_title, **layout) -> str:
+    xaxis = dict(AXIS, title=dict(text=x_title, standoff=6), **layout.pop("xaxis", {}))
+    yaxis = dict(AXIS, title=dict(text=y_title), **layout.pop("yaxis", {}))
+    fig = go.Figure(data=traces, layout=go.Layout(**{
+        **BASE_LAYOUT, "title": dict(text=title, x=0, xanchor="left", font=dict(size=14)),
+        "xaxis": xaxis, "yaxis": yaxis, **layout}))
+    return to_json(fig)
+
+
+def _color(i):
+    return PALETTE[i % len(PALETTE)]
+
+
+def _one_line(y=1.0, label="baseline = 1.0"):
+    return dict(shapes=[dict(type="line", xref="paper", x0=0, x1=1, yref="y", y0=y, y1=y,
+                             line=dict(color="#6b7280", width=1.5, dash="dash"))],
+                annotations=[dict(xref="paper", x=1, y=y, yref="y", text=label,
+                                  showarrow=False, xanchor="right", yanchor="bottom",
+                                  font=dict(size=11, color="#6b7280"))])
+
+
+def _batch_axis(batch_sizes):
+    return dict(type="log", tickvals=list(batch_sizes), ticktext=[str(b) for b in batch_sizes])
+
+
+def _line(name, xs, ys, i, dash=None, group=None, width=2):
+    return go.Scatter(x=list(xs), y=list(ys), name=name, mode="lines+markers",
+                      line=dict(color=_color(i), dash=dash, width=width),
+                      legendgroup=group or name, connectgaps=False)
+
+
+def _tasks(cells):
+    return list(dict.fromkeys(c["task"] for c in cells))
+
+
+def _fmt(x, digits=2):
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+# ---- building blocks on cell dicts -----------------------------------------------------
+
+def speedup_by_batch(cells, baseline_cells):
+    """{batch: speedup over all tasks}: summed drafter throughput over summed baseline
+    throughput on the same tasks (cells of one k and temperature)."""
+    mine = aggregate_cells(cells, ("batch_size",))
+    tasks = {c["task"] for c in cells}
+    base = aggregate_cells([c for c in baseline_cells if c["task"] in tasks
+                            and c["temperature"] in {x["temperature"] for x in cells}],
+                           ("batch_size",))
+    return {b: metrics.speedup(g["output_throughput"],
+                               base.get((b,), {}).get("output_throughput"))
+            for (b,), g in sorted(mine.items())}
+
+
+def best_k(cells, baseline_cells, ks):
+    """The speculation budget with the highest mean speedup over batch sizes (all tasks)."""
+    best, best_value = None, None
+    for k in ks:
+        sp = [v for v in speedup_by_batch([c for c in cells if c["k"] == k], baseline_cells)
+              .values() if v is not None]
+        value = sum(sp) / len(sp) if sp else None
+        if value is not None and (best_value is None or value > best_value):
+            best, best_value = k, value
+    return best if best is not None else (ks[0] if ks else None)
+
+
+# ---- drafter page -----------------------------------------------------------------------
+
+def drafter_charts(page: dict, k: int, temperature: float) -> dict[str, str]:
+    """The drafter page's figures (JSON strings) for one k and temperature."""
+    cells_t = [c for c in page["cells"] if c["temperature"] == temperature]
+    cells = [c for c in cells_t if c["k"] == k]
+    base = [c for c in page["baseline_cells"] if c["temperature"] == temperature]
+    protocol = page["protocol"] or {}
+    batch_sizes = protocol.get("batch_sizes") or sorted({c["batch_size"] for c in cells})
+    tasks = _tasks(page["cells"])
+    cond = f"k = {k}, temperature {temperature:g}"
+    figs = {}
+
+    # speedup vs batch size, per task and over all tasks, with the 1.0 line
+    traces = []
+    for i, task in enumerate(tasks):
+        rows = sorted((c for c in cells if c["task"] == task), key=lambda c: c["batch_size"])
+        traces.append(_line(task, [c["batch_size"] for c in rows], [c["speedup"] for c in rows], i))
+    overall = speedup_by_batch(cells, base)
+    traces.append(_line(ALL_TASKS, list(overall), list(overall.values()), len(tasks), width=3,
+                        dash="dot"))
+    figs["speedup"] = _figure(traces, f"Speedup vs batch size ({cond})", "batch size",
+                              "speedup (x baseline)", xaxis=_batch_axis(batch_sizes),
+                              **_one_line())
+
+    # per-position acceptance per task (summed over batch sizes)
+    per_task = aggregate_cells(cells, ("task",))
+    traces = []
+    for i, task in enumerate(tasks):
+        alphas = per_task.get((task,), {}).get("per_position_acceptance") or []
+        traces.append(_line(task, list(range(1, len(alphas) + 1)), alphas, i))
+    all_alpha = aggregate_cells(cells, ()).get((), {}).get("per_position_acceptance") or []
+    traces.append(_line(ALL_TASKS, list(range(1, len(all_alpha) + 1)), all_alpha, len(tasks),
+                        dash="dot", width=3))
+    figs["positions"] = _figure(traces, f"Per-position acceptance alpha_i ({cond}, all batch sizes)",
+                                "draft position i", "alpha_i = accepted_at[i] / drafts",
+                                xaxis=dict(dtick=1), yaxis=dict(range=[0, 1.02]))
+
+    # acceptance length per task, one bar per k
+    by_task_k = aggregate_cells(cells_t, ("task", "k"))
+    traces = []
+    for i, kk in enumerate(protocol.get("ks") or sorted({c["k"] for c in cells_t})):
+        traces.append(go.Bar(name=f"k = {kk}", x=tasks,
+                             y=[by_task_k.get((t, kk), {}).get("acceptance_length") for t in tasks],
+                             marker_color=_color(i)))
+    figs["acceptance_length"] = _figure(
+        traces, f"Acceptance length per task (temperature {temperature:g}, all batch sizes)",
+        "task", "AL = 1 + accepted / drafts", barmode="group")
+
+    # throughput and TPOT vs batch size, drafter (solid) and baseline (dashed)
+    traces = []
+    for i, task in enumerate(tasks):
+        rows = sorted((c for c in cells if c["task"] == task), key=lambda c: c["batch_size"])
+        brows = sorted((c for c in base if c["task"] == task), key=lambda c: c["batch_size"])
+        xs, bxs = [c["batch_size"] for c in rows], [c["batch_size"] for c in brows]
+        traces += [
+            _line(task, xs, [c["output_throughput"] for c in rows], i, group=task),
+            _line(f"{task} baseline", bxs, [c["output_throughput"] for c in brows], i,
+                  dash="dash", group=task, width=1.5),
+        ]
+        tpot = [_line(task, xs, [_ms(c["tpot_mean"]) for c in rows], i, group=task),
+                _line(f"{task} baseline", bxs, [_ms(c["tpot_mean"]) for c in brows], i,
+                      dash="dash", group=task, width=1.5)]
+        for t in tpot:
+            t.update(xaxis="x2", yaxis="y2", showlegend=False)
+        traces += tpot
+    axis_b = dict(AXIS, **_batch_axis(batch_sizes))
+    figs["throughput"] = _figure(
+        traces, f"Output throughput and TPOT vs batch size ({cond}); dashed: baseline",
+        "batch size", "output tokens / s",
+        xaxis=dict(domain=[0, 0.46], **_batch_axis(batch_sizes)),
+        xaxis2=dict(axis_b, domain=[0.56, 1], anchor="y2", title=dict(text="batch size")),
+        yaxis2=dict(AXIS, anchor="x2", title=dict(text="TPOT mean (ms)")),
+        height=380)
+
+    # claimed vs remeasured
+    d = page["drafter"]
+    b0 = min(batch_sizes) if batch_sizes else None
+    at_b0 = aggregate_cells([c for c in cells if c["batch_size"] == b0], ()).get((), {})
+    measured_speedup = speedup_by_batch([c for c in cells if c["batch_size"] == b0], base).get(b0)
+    names = ["acceptance length", "speedup"]
+    traces = [
+        go.Bar(name="claimed", x=names, marker_color="#9ca3af",
+               y=[d["claimed_acceptance_length"], d["claimed_speedup"]]),
+        go.Bar(name=f"remeasured (all tasks, batch {b0}, {cond})", x=names,
+               marker_color=_color(0), y=[at_b0.get("acceptance_length"), measured_speedup]),
+    ]
+    figs["claimed"] = _figure(traces, "Claimed vs remeasured", "", "value", barmode="group",
+                              **_one_line(label="1.0"))
+    return figs
+
+
+def _ms(seconds):
+    return None if seconds is None else seconds * 1000.0
+
+
+# ---- compare page -----------------------------------------------------------------------
+
+def compare_charts(data: dict, temperature: float, k: int | None,
+                   task: str | None = None) -> tuple[dict[str, str], list[dict]]:
+    """Overlaid figures for 2-4 drafters, and one summary row per drafter. k None means
+    each drafter at its best k (highest mean speedup over batch sizes)."""
+    protocol = data["protocol"]
+    batch_sizes, ks = protocol["batch_sizes"], protocol["ks"]
+    tasks = protocol["tasks"] if not task else [task]
+    sp_traces, al_traces, pos_traces, thr_traces, summary = [], [], [], [], []
+    base_done = False
+    for i, e in enumerate(data["entries"]):
+        cells_t = [c for c in e["cells"] if c["temperature"] == temperature
+                   and c["task"] in tasks]
+        base = [c for c in e["baseline_cells"] if c["temperature"] == temperature
+                and c["task"] in tasks]
+        kk = k if k is not None else best_k(cells_t, base, ks)
+        cells = [c for c in cells_t if c["k"] == kk]
+        name = f"{e['drafter']['name']} (k={kk})"
+        sp = speedup_by_batch(cells, base)
+        sp_traces.append(_line(name, list(sp), list(sp.values()), i))
+        per_task = aggregate_cells(cells, ("task",))
+        al_traces.append(go.Bar(name=name, x=tasks, marker_color=_color(i),
+                                y=[per_task.get((t,), {}).get("acceptance_length") for t in tasks]))
+        overall = aggregate_cells(cells, ()).get((), {})
+        alphas = overall.get("per_position_acceptance") or []
+        pos_traces.append(_line(name, list(range(1, len(alphas) + 1)), alphas, i))
+        thr = aggregate_cells(cells, ("batch_size",))
+        thr_traces.append(_line(name, [b for (b,) in thr], [g["output_throughput"]
+                                                            for g in thr.values()], i))
+        if not base_done and base:
+            bthr = aggregate_cells(base, ("batch_size",))
+            thr_traces.append(_line("baseline (no drafter)", [b for (b,) in bthr],
+                                    [g["output_throughput"] for g in bthr.values()], 9,
+                                    dash="dash"))
+            base_done = True
+        summary.append({"drafter": e["drafter"], "run": e["run"], "k": kk,
+                        "acceptance_length": overall.get("acceptance_length"),
+                        "acceptance_rate": overall.get("acceptance_rate"),
+                        "lossless_share": overall.get("lossless_share"),
+                        "speedup_by_batch": sp})
+    scope = f"{task or 'all tasks'}, temperature {temperature:g}" + (
+        f", k = {k}" if k is not None else ", each at its best k")
+    figs = {
+        "speedup": _figure(sp_traces, f"Speedup vs batch size ({scope})", "batch size",
+                           "speedup (x baseline)", xaxis=_batch_axis(batch_sizes), **_one_line()),
+        "acceptance_length": _figure(al_traces, f"Acceptance length per task ({scope})", "task",
+                                     "AL = 1 + accepted / drafts", barmode="group"),
+        "positions": _figure(pos_traces, f"Per-position acceptance ({scope})", "draft position i",
+                             "alpha_i", xaxis=dict(dtick=1), yaxis=dict(range=[0, 1.02])),
+        "throughput": _figure(thr_traces, f"Output throughput vs batch size ({scope})",
+                              "batch size", "output tokens / s", xaxis=_batch_axis(batch_sizes)),
+    }
+    return figs, summary

@@ -1,0 +1,220 @@
+"""Submission services: turn an upload into a Drafter with its files and a queued run, and
+the owner's later edits (edit, withdraw, cancel). The submit page and the REST API both
+call `submit_drafter`.
+
+A refused submission stores nothing: the files are validated by worker.checkpoint in a
+temporary directory first; only then are they written through Django's default storage,
+inside one transaction with the rows, and any failure deletes what was written.
+"""
+from __future__ import annotations
+
+import hashlib
+from datetime import timedelta
+from pathlib import PurePosixPath
+
+from django.conf import settings
+from django.core.files import File
+from django.core.files.storage import default_storage
+from django.db import transaction
+from django.urls import reverse
+from django.utils import timezone
+from django.utils.text import slugify
+
+from worker.checkpoint import (CheckpointRejected, Problem, TargetFacts, validate_checkpoint,
+                               validate_ngram_params)
+from worker.protocol import canonical_json
+
+from . import runs
+from .models import Drafter, DrafterFile, Protocol, Run
+
+EDITABLE_FIELDS = ("name", "description", "link", "licence", "claimed_acceptance_length",
+                   "claimed_speedup", "claimed_source")
+
+
+class SubmissionRefused(Exception):
+    """The submission was refused; `problems` are worker.checkpoint Problems (file, field,
+    message, member), each saying what to fix. `existing` is the drafter a duplicate
+    repeats, if that is the reason."""
+
+    def __init__(self, problems: list[Problem], existing: Drafter | None = None):
+        self.problems = list(problems)
+        self.existing = existing
+        super().__init__("; ".join(str(p) for p in self.problems))
+
+    def as_dicts(self) -> list[dict]:
+        return [p.as_dict() for p in self.problems]
+
+
+def can_manage(user, drafter: Drafter | None) -> bool:
+    """Only the owner or staff may edit, cancel or withdraw (a baseline: staff only)."""
+    if not user.is_authenticated:
+        return False
+    if user.is_staff:
+        return True
+    return drafter is not None and drafter.owner_id == user.pk
+
+
+def check_rate_limit(user):
+    limit = settings.SPECBOARD_SUBMISSIONS_PER_DAY
+    if not limit or user.is_staff:
+        return
+    since = timezone.now() - timedelta(days=1)
+    recent = Drafter.objects.filter(owner=user, created_at__gte=since)
+    n = recent.count()
+    if n >= limit:
+        oldest = recent.order_by("created_at").values_list("created_at", flat=True).first()
+        wait = max(int((oldest + timedelta(days=1) - timezone.now()).total_seconds() // 60), 1)
+        raise SubmissionRefused([Problem(
+            "(submission)", "rate limit",
+            f"you have submitted {n} drafters in the last 24 hours, the limit is {limit} "
+            f"(SPECBOARD_SUBMISSIONS_PER_DAY): try again in {wait} minutes")])
+
+
+def target_facts(protocol: Protocol) -> TargetFacts:
+    t = protocol.target
+    return TargetFacts(t.vocab_size, t.hidden_size, t.num_layers)
+
+
+def check_params(method: str, params: dict, protocol: Protocol) -> dict:
+    """Method parameters: ngram's through worker.checkpoint.validate_ngram_params; every
+    method may name one speculation budget k from the protocol's ks. Returns the parameters
+    to store: k is checked but not stored, since the protocol measures every k and the
+    engines (worker/methods.py ALLOWED_PARAMS) take no k parameter."""
+    ks = list(protocol.spec["ks"])
+    params = {key: v for key, v in (params or {}).items() if v is not None}
+    if method == "ngram":
+        try:
+            checked = validate_ngram_params(params, ks)
+        except CheckpointRejected as e:
+            raise SubmissionRefused(e.problems) from None
+        return {key: v for key, v in checked.items() if key != "k"}
+    problems = [Problem("params", key, f"applies to the ngram method only: leave it empty for "
+                        f"{method}") for key in params if key.startswith("prompt_lookup")]
+    problems += [Problem("params", key, "unknown parameter: only k can be set here")
+                 for key in params if key != "k" and not key.startswith("prompt_lookup")]
+    if "k" in params and params["k"] not in ks:
+        problems.append(Problem("params", "k", f"must be one of the protocol's speculation "
+                                f"budgets {ks}, got {params['k']!r}"))
+    if problems:
+        raise SubmissionRefused(problems)
+    return {}
+
+
+def params_sha256(method: str, params: dict) -> str:
+    """The content hash of a drafter without files: its method and parameters."""
+    return hashlib.sha256(canonical_json({"method": method, "params": params}).encode()).hexdigest()
+
+
+def find_duplicate(content_sha256: str, protocol: Protocol) -> Drafter | None:
+    """A drafter with the same content already measured or queued under this protocol."""
+    return (Drafter.objects.filter(content_sha256=content_sha256, target=protocol.target,
+                                   runs__protocol=protocol)
+            .exclude(review_state__in=("withdrawn", "rejected")).order_by("created_at").first())
+
+
+def duplicate_problem(existing: Drafter, file="(upload)") -> Problem:
+    url = reverse("drafter", args=[existing.slug])
+    return Problem(file, "content_sha256",
+                   f"the same content (sha256 {existing.content_sha256[:12]}...) was already "
+                   f"submitted under this protocol as \u201c{existing.name}\u201d: see {url}; "
+                   "change the files or parameters, or choose another protocol")
+
+
+FILE_NAME_MAX = DrafterFile._meta.get_field("file").max_length
+
+
+def storage_name(content_sha256: str, index: int, name: str) -> str:
+    """Where a checkpoint file is stored: short enough for the FileField; its path inside
+    the checkpoint is DrafterFile.name."""
+    return f"drafters/{content_sha256[:16]}/{index:03d}-{PurePosixPath(name).name[-60:]}"
+
+
+def unique_slug(name: str) -> str:
+    base = (slugify(name) or "drafter")[:40]
+    taken = set(Drafter.objects.filter(slug__startswith=base).values_list("slug", flat=True))
+    if base not in taken:
+        return base
+    i = 2
+    while f"{base}-{i}" in taken:
+        i += 1
+    return f"{base}-{i}"
+
+
+def submit_drafter(*, owner, protocol: Protocol, method: str, name: str, uploads=(),
+                   params: dict | None = None, description: str = "", link: str = "",
+                   licence: str = "", claimed_acceptance_length: float | None = None,
+                   claimed_speedup: float | None = None, claimed_source: str = "",
+                   send: bool = True) -> tuple[Drafter, Run]:
+    """Validate and store a drafter for `protocol`'s target and queue its run.
+
+    `uploads`: (name, file object or path, size) triples (worker.checkpoint.Upload). Raises
+    SubmissionRefused (nothing stored) for the rate limit, bad parameters, a refused upload
+    (the checkpoint's problems) or a duplicate content hash under the same protocol."""
+    check_rate_limit(owner)
+    params = check_params(method, params or {}, protocol)
+    try:
+        ckpt = validate_checkpoint(list(uploads), method, target_facts(protocol),
+                                   max_total_bytes=settings.SPECBOARD_MAX_UPLOAD_BYTES)
+    except CheckpointRejected as e:
+        raise SubmissionRefused(e.problems) from None
+    stored = []
+    try:
+        content = ckpt.content_sha256 if ckpt.files else params_sha256(method, params)
+        existing = find_duplicate(content, protocol)
+        if existing is not None:
+            raise SubmissionRefused([duplicate_problem(existing)], existing=existing)
+        with transaction.atomic():
+            drafter = Drafter.objects.create(
+                owner=owner, slug=unique_slug(name), name=name, method=method,
+                target=protocol.target, params=params, description=description, link=link,
+                licence=licence, content_sha256=content,
+                claimed_acceptance_length=claimed_acceptance_length,
+                claimed_speedup=claimed_speedup, claimed_source=claimed_source)
+            for i, f in enumerate(ckpt.files):
+                with f.open() as fh:
+                    saved = default_storage.save(storage_name(content, i, f.name), File(fh),
+                                                 max_length=FILE_NAME_MAX)
+                stored.append(saved)
+                DrafterFile.objects.create(drafter=drafter, name=f.name, file=saved,
+                                           size=f.size, sha256=f.sha256)
+            run = runs.queue_run(protocol, drafter, send=send)
+    except BaseException:
+        for saved in stored:
+            try:
+                default_storage.delete(saved)
+            except Exception:  # noqa: BLE001 - keep the original error
+                pass
+        raise
+    finally:
+        ckpt.cleanup()
+    return drafter, run
+
+
+def update_drafter(drafter: Drafter, **changes) -> Drafter:
+    """Edit the descriptive fields (the files, method and parameters never change: a new
+    checkpoint is a new submission)."""
+    fields = [k for k in changes if k in EDITABLE_FIELDS]
+    for k in fields:
+        setattr(drafter, k, changes[k])
+    if fields:
+        drafter.full_clean(exclude=["slug", "owner", "target", "params"])
+        drafter.save(update_fields=fields)
+    return drafter
+
+
+def withdraw_drafter(drafter: Drafter) -> int:
+    """Hide the drafter from the leaderboard and cancel its unfinished runs. Returns the
+    number of runs cancelled or asked to stop."""
+    with transaction.atomic():
+        Drafter.objects.filter(pk=drafter.pk).update(review_state="withdrawn")
+        drafter.review_state = "withdrawn"
+        pending = list(Run.objects.filter(drafter=drafter,
+                                          state__in=[Run.QUEUED, Run.RUNNING]))
+        for run in pending:
+            runs.request_cancel(run)
+    return len(pending)
+
+
+def cancel_run(run: Run) -> str:
+    """Cancel a run (queued: at once; running: between two cells). Returns its state."""
+    return runs.request_cancel(run)

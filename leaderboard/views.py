@@ -1,0 +1,390 @@
+"""Pages. Function views: reads go through selectors, writes through services
+(submissions, tokens, runs)."""
+from __future__ import annotations
+
+import hashlib
+
+from django.conf import settings
+from django.contrib import messages
+from django.contrib.auth import login
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
+from django.core.cache import cache
+from django.http import FileResponse, Http404, JsonResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.template.loader import render_to_string
+from django.urls import reverse
+from django.views.decorators.http import require_GET, require_POST
+
+from worker.checkpoint import Upload
+
+from . import charts, selectors, submissions, tokens
+from .forms import DrafterEditForm, SignupForm, SubmitForm, TokenForm
+from .models import Drafter, Run
+
+
+# ---- query parameters --------------------------------------------------------------------
+
+def _int(value, allowed=None):
+    try:
+        v = int(value)
+    except (TypeError, ValueError):
+        return None
+    return v if allowed is None or v in allowed else None
+
+
+def _float(value, allowed=None):
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return None
+    return v if allowed is None or v in allowed else None
+
+
+def _query(request, **changes):
+    """The current query string with some parameters changed (None removes one)."""
+    q = request.GET.copy()
+    for k, v in changes.items():
+        if v is None:
+            q.pop(k, None)
+        else:
+            q[k] = v
+    return "?" + q.urlencode() if q else "?"
+
+
+# ---- fragment cache --------------------------------------------------------------------
+
+def cached_fragment(parts, build):
+    """The leaderboard table and the drafter page's results are rendered once per state of
+    the data (`parts()` includes the selectors' signatures) and kept in Django's cache for
+    SPECBOARD_PAGE_CACHE_SECONDS (0 = no cache). `build()` returns a dict with "html"."""
+    ttl = settings.SPECBOARD_PAGE_CACHE_SECONDS
+    if ttl <= 0:
+        return build()
+    key = "fragment:" + hashlib.sha256(repr(parts()).encode()).hexdigest()
+    value = cache.get(key)
+    if value is None:
+        value = build()
+        cache.set(key, {k: v for k, v in value.items() if k == "html" or k.startswith("meta")},
+                    ttl)
+    return value
+
+
+def protocol_choices():
+    """The protocols with results for the pages' protocol menus (cached for a short while:
+    a protocol's first result shows in the menu within 30 seconds)."""
+    def build():
+        return [{"pk": p.pk, "slug": p.slug, "version": p.version,
+                 "target": {"name": p.target.name}} for p in selectors.protocols_with_results()]
+    if settings.SPECBOARD_PAGE_CACHE_SECONDS <= 0:
+        return build()
+    return cache.get_or_set("protocol-choices", build, min(30, settings.SPECBOARD_PAGE_CACHE_SECONDS))
+
+
+# ---- leaderboard ---------------------------------------------------------------------
+
+ROWS_PER_PAGE = 100
+COLUMNS = [("name", "Drafter"), ("method", "Method"), ("k", "k"), ("batch_size", "Batch"),
+           ("temperature", "Temp."), ("acceptance_length", "Acceptance length"),
+           ("acceptance_rate", "Acceptance rate"), ("output_throughput", "Throughput (tok/s)"),
+           ("speedup", "Speedup"), ("lossless_share", "Lossless")]
+
+
+@require_GET
+def home(request):
+    protocol = selectors.get_protocol(request.GET.get("protocol"), request.GET.get("target"))
+    if protocol is None:
+        if request.GET.get("protocol"):
+            raise Http404("no such protocol")
+        return render(request, "leaderboard/home.html", {"protocol": None})
+    spec = protocol.spec
+    task = request.GET.get("task") or None
+    if task not in [t["task"] for t in spec["tasks"]]:
+        task = None
+    b_param = request.GET.get("batch_size")
+    batch_size = None if b_param == "all" else (
+        _int(b_param, spec["batch_sizes"]) or min(spec["batch_sizes"]))
+    t_param = request.GET.get("temperature")
+    temps = [float(t) for t in spec["temperatures"]]
+    temperature = None if t_param == "all" else _float(t_param, temps)
+    if temperature is None and t_param != "all":
+        temperature = temps[0]
+    k = _int(request.GET.get("k"), spec["ks"])
+    method = request.GET.get("method") or None
+    if method not in dict(Drafter.METHODS):
+        method = None
+    sort = request.GET.get("sort") or "speedup"
+    sort = sort if sort in selectors.SORT_KEYS else "speedup"
+    descending = request.GET.get("dir", "desc") != "asc"
+    page = _int(request.GET.get("page")) or 1
+    headers = []
+    for key, label in COLUMNS:
+        active = sort == key
+        headers.append({"key": key, "label": label, "active": active,
+                        "dir": "desc" if descending else "asc",
+                        "url": _query(request, sort=key,
+                                      dir="asc" if active and descending else "desc", page=None)})
+    filters = dict(task=task, batch_size=batch_size, temperature=temperature, k=k,
+                   method=method, sort=sort, descending=descending)
+
+    def build():
+        board = selectors.leaderboard(protocol, **filters)
+        total = len(board["rows"])
+        pages = max(1, -(-total // ROWS_PER_PAGE))
+        n = min(max(page, 1), pages)
+        offset = (n - 1) * ROWS_PER_PAGE
+        board["rows"] = board["rows"][offset:offset + ROWS_PER_PAGE]
+        pager = {"page": n, "pages": pages, "total": total, "offset": offset,
+                 "prev": _query(request, page=n - 1) if n > 1 else None,
+                 "next": _query(request, page=n + 1) if n < pages else None}
+        html = render_to_string("leaderboard/_board.html", {
+            "board": board, "headers": headers, "pager": pager, "p": board["protocol"]})
+        return {"html": html, "board": board}
+
+    fragment = cached_fragment(
+        lambda: ("board", selectors.leaderboard_signature(protocol), sorted(filters.items()),
+                 page, request.GET.get("protocol"), request.GET.get("target")), build)
+    ref = selectors.protocol_ref(protocol)
+    return render(request, "leaderboard/home.html", {
+        "protocol": selectors.protocol_summary(protocol), "board_html": fragment["html"],
+        "board": fragment.get("board"), "filters": filters,
+        "protocols": protocol_choices(), "protocol_ref": ref,
+        "methods": Drafter.METHODS, "ks": spec["ks"], "tasks": [t["task"] for t in spec["tasks"]],
+        "batch_sizes": spec["batch_sizes"], "temperatures": temps,
+        "b_param": "all" if batch_size is None else str(batch_size),
+        "t_param": "all" if temperature is None else f"{temperature:g}",
+        "compare_url": reverse("compare") + f"?protocol={ref}",
+    })
+
+
+# ---- drafters -------------------------------------------------------------------------
+
+@require_GET
+def drafter_detail(request, slug):
+    overview = selectors.drafter_overview(slug, request.GET.get("protocol"))
+    if overview is None:
+        raise Http404("no such drafter")
+    page = {k: v for k, v in overview.items() if not k.startswith("_")}
+    k_param, t_param = request.GET.get("k"), request.GET.get("temperature")
+
+    def build():
+        results = selectors.drafter_results(overview)
+        full = {**page, **results}
+        figs, k, temperature = {}, None, None
+        protocol = full["protocol"]
+        if protocol and full["cells"]:
+            temps = protocol["temperatures"]
+            temperature = _float(t_param, temps)
+            temperature = temps[0] if temperature is None else temperature
+            k = _int(k_param, protocol["ks"]) or charts.best_k(
+                [c for c in full["cells"] if c["temperature"] == temperature],
+                [c for c in full["baseline_cells"] if c["temperature"] == temperature],
+                protocol["ks"])
+            figs = charts.drafter_charts(full, k, temperature)
+        html = render_to_string("leaderboard/_drafter_results.html", {
+            "page": full, "figs": figs, "k": k, "temperature": temperature})
+        return {"html": html, "meta_has_charts": bool(figs), "page": full}
+
+    if overview["_run"] is None:
+        fragment = build()
+    else:
+        fragment = cached_fragment(lambda: ("drafter", selectors.drafter_signature(overview),
+                                            k_param, t_param), build)
+    manage = submissions.can_manage(request.user, _drafter_stub(page["drafter"]))
+    return render(request, "leaderboard/drafter.html", {
+        "page": fragment.get("page", page), "d": page["drafter"],
+        "results_html": fragment["html"], "can_manage": manage,
+        "has_charts": fragment["meta_has_charts"],
+    })
+
+
+def _drafter_stub(summary):
+    return Drafter(pk=summary["id"], owner_id=summary["owner_id"])
+
+
+@login_required
+def drafter_edit(request, slug):
+    drafter = get_object_or_404(Drafter, slug=slug)
+    if not submissions.can_manage(request.user, drafter):
+        raise PermissionDenied("only the owner or staff may edit this drafter")
+    form = DrafterEditForm(request.POST or None, instance=drafter)
+    if request.method == "POST" and form.is_valid():
+        submissions.update_drafter(drafter, **form.cleaned_data)
+        messages.success(request, "Saved.")
+        return redirect("drafter", slug=drafter.slug)
+    return render(request, "leaderboard/drafter_edit.html", {"form": form, "drafter": drafter})
+
+
+@login_required
+@require_POST
+def drafter_withdraw(request, slug):
+    drafter = get_object_or_404(Drafter, slug=slug)
+    if not submissions.can_manage(request.user, drafter):
+        raise PermissionDenied("only the owner or staff may withdraw this drafter")
+    n = submissions.withdraw_drafter(drafter)
+    messages.success(request, f"{drafter.name} is withdrawn from the leaderboard"
+                     + (f"; {n} unfinished run(s) cancelled." if n else "."))
+    return redirect("drafter", slug=drafter.slug)
+
+
+# ---- submit ---------------------------------------------------------------------------
+
+@login_required
+def submit(request):
+    form = SubmitForm(request.POST or None, request.FILES or None)
+    existing_url = None
+    if request.method == "POST" and form.is_valid():
+        data = form.cleaned_data
+        uploads = [Upload(f.name, f, f.size) for f in data["files"]]
+        try:
+            drafter, run = submissions.submit_drafter(
+                owner=request.user, protocol=data["protocol"], method=data["method"],
+                name=data["name"], uploads=uploads, params=form.params(),
+                description=data["description"], link=data["link"], licence=data["licence"],
+                claimed_acceptance_length=data["claimed_acceptance_length"],
+                claimed_speedup=data["claimed_speedup"], claimed_source=data["claimed_source"])
+        except submissions.SubmissionRefused as e:
+            if e.existing is not None:
+                existing_url = reverse("drafter", args=[e.existing.slug])
+            form.add_problems(e.problems, existing_url)
+        else:
+            messages.success(request, f"{drafter.name} is submitted; run {run.pk} is queued on "
+                                      f"{run.hardware}.")
+            return redirect(reverse("queue") + f"#run-{run.pk}")
+        status = 400
+    else:
+        status = 400 if request.method == "POST" else 200
+    return render(request, "leaderboard/submit.html",
+                  {"form": form, "existing_url": existing_url}, status=status)
+
+
+# ---- queue --------------------------------------------------------------------------
+
+@require_GET
+def queue(request):
+    hardware = request.GET.get("hardware") or None
+    data = selectors.queue(hardware=hardware)
+    user = request.user
+    for r in data["active"] + data["finished"]:
+        r["can_cancel"] = (r["state"] in (Run.QUEUED, Run.RUNNING) and user.is_authenticated
+                           and (user.is_staff or (r["owner_id"] and r["owner_id"] == user.pk)))
+    return render(request, "leaderboard/queue.html", {"q": data, "hardware": hardware})
+
+
+@require_GET
+def queue_progress(request):
+    ids = [i for i in request.GET.get("ids", "").split(",") if i.strip().isdigit()]
+    return JsonResponse({"runs": selectors.run_progress(ids)})
+
+
+@login_required
+@require_POST
+def run_cancel(request, run_id):
+    run = selectors.get_run(run_id)
+    if run is None:
+        raise Http404("no such run")
+    if not submissions.can_manage(request.user, run.drafter):
+        raise PermissionDenied("only the owner of the drafter or staff may cancel this run")
+    state = submissions.cancel_run(run)
+    messages.success(request, f"Run {run.pk}: " + (
+        "cancelled." if state == Run.CANCELLED else
+        "asked to stop; it stops after the cell it is measuring." if state == Run.RUNNING else
+        f"already {state}."))
+    return redirect(reverse("queue") + f"#run-{run.pk}")
+
+
+@require_GET
+def run_artifact(request, run_id):
+    """The raw per-request records of a run (gzipped JSON lines), through the storage."""
+    run = get_object_or_404(Run, pk=run_id)
+    if not run.artifact:
+        raise Http404("this run has no raw data yet")
+    return FileResponse(run.artifact.open("rb"), as_attachment=True,
+                        filename=f"specboard-run-{run.pk}-requests.jsonl.gz",
+                        content_type="application/gzip")
+
+
+# ---- compare ---------------------------------------------------------------------------
+
+@require_GET
+def compare(request):
+    protocol = selectors.get_protocol(request.GET.get("protocol"))
+    if protocol is None:
+        raise Http404("no protocol with results")
+    candidates = selectors.compare_candidates(protocol)
+    slugs = list(dict.fromkeys(s for s in request.GET.getlist("d") if s))[:4]
+    spec = protocol.spec
+    temps = [float(t) for t in spec["temperatures"]]
+    temperature = _float(request.GET.get("temperature"), temps)
+    temperature = temps[0] if temperature is None else temperature
+    k = _int(request.GET.get("k"), spec["ks"])
+    task = request.GET.get("task") or None
+    if task not in [t["task"] for t in spec["tasks"]]:
+        task = None
+    figs, summary, data, error = {}, [], None, None
+    if len(slugs) == 1:
+        error = "Choose at least two drafters."
+    if len(slugs) >= 2:
+        data = selectors.compare(protocol, slugs)
+        if data["missing"]:
+            error = ("No succeeded run under this protocol for: " + ", ".join(data["missing"]))
+        if len(data["entries"]) >= 1:
+            figs, summary = charts.compare_charts(data, temperature, k, task)
+    return render(request, "leaderboard/compare.html", {
+        "protocol": selectors.protocol_summary(protocol), "candidates": candidates,
+        "chosen": slugs, "figs": figs, "summary": summary, "error": error,
+        "protocols": protocol_choices(),
+        "protocol_ref": selectors.protocol_ref(protocol), "k": k, "task": task,
+        "temperature": temperature, "has_charts": bool(figs),
+    })
+
+
+# ---- protocols -------------------------------------------------------------------------
+
+@require_GET
+def protocol_list(request):
+    return render(request, "leaderboard/protocol_list.html",
+                  {"protocols": selectors.protocol_list()})
+
+
+@require_GET
+def protocol_detail(request, slug, version):
+    protocol = selectors.get_protocol(f"{slug}@{version}")
+    if protocol is None:
+        raise Http404("no such protocol")
+    return render(request, "leaderboard/protocol_detail.html",
+                  {"p": selectors.protocol_detail(protocol)})
+
+
+# ---- accounts ----------------------------------------------------------------------------
+
+def signup(request):
+    if request.user.is_authenticated:
+        return redirect("home")
+    form = SignupForm(request.POST or None)
+    if request.method == "POST" and form.is_valid():
+        user = form.save()
+        login(request, user, backend="django.contrib.auth.backends.ModelBackend")
+        messages.success(request, f"Welcome, {user.username}.")
+        return redirect(request.GET.get("next") or "home")
+    return render(request, "registration/signup.html", {"form": form})
+
+
+@login_required
+def account_settings(request):
+    new_token = None
+    form = TokenForm(request.POST or None)
+    if request.method == "POST":
+        if "revoke" in request.POST:
+            if tokens.revoke_token(request.user, _int(request.POST["revoke"]) or 0):
+                messages.success(request, "Token revoked.")
+            return redirect("account_settings")
+        if form.is_valid():
+            _, new_token = tokens.create_token(request.user, form.cleaned_data["name"])
+            form = TokenForm()
+    response = render(request, "leaderboard/account_settings.html", {
+        "form": form, "new_token": new_token, "tokens": selectors.user_tokens(request.user),
+        "drafters": selectors.user_drafters(request.user),
+    })
+    response["Cache-Control"] = "no-store"  # a new token is shown once, never cached
+    return response

@@ -1,0 +1,155 @@
+"""Headless Chromium against a live server: sign up, submit an n-gram configuration, see
+the run in the queue with live progress, then (a worker's results simulated with test data
+from tests/factories.py) the leaderboard and the drafter page with charts that hold data."""
+import os
+import shutil
+
+import pytest
+
+from leaderboard.models import Drafter, Run
+
+from . import factories as f
+from .conftest import purge_queue
+
+QUEUE = "browser-test"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+pytestmark = [pytest.mark.django_db(transaction=True)]
+
+
+@pytest.fixture
+def browser_page(monkeypatch):
+    # Playwright's sync API keeps an event loop in this thread; the ORM calls the test makes
+    # between page actions are still plain synchronous code.
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    from django.db import connections
+
+    from playwright.sync_api import sync_playwright
+
+    if not os.path.exists(CHROMIUM):
+        pytest.fail("Chromium is missing: apt-get install -y chromium")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.set_default_timeout(20000)
+            yield page
+        finally:
+            browser.close()
+            # The ORM calls made while Playwright runs get their own connection (Django's
+            # connections are context-local); close it, or it outlives the test database.
+            connections.close_all()
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    from django.core.cache import cache
+
+    cache.clear()  # the page cache is on here, as in production
+    yield
+    cache.clear()
+
+
+@pytest.fixture
+def broker_queue():
+    from leaderboard.celery import ensure_broker_folders
+
+    ensure_broker_folders()
+    purge_queue(QUEUE)
+    yield QUEUE
+    purge_queue(QUEUE)  # leave no message behind
+
+
+CHARTS_HOLD_DATA = """() => {
+  const plots = Array.from(document.querySelectorAll('.js-plotly-plot'));
+  if (plots.length === 0) return null;
+  return plots.map(p => ({
+    id: p.id,
+    traces: p.data.length,
+    points: p.data.reduce((n, t) => n + (t.y || []).filter(v => typeof v === 'number').length, 0),
+  }));
+}"""
+
+
+def test_sign_up_submit_follow_the_queue_and_see_the_charts(
+        live_server, browser_page, broker_queue, settings, tmp_path, artifacts_dir):
+    settings.MEDIA_ROOT = tmp_path / "media"
+    target = f.make_target(slug="browser-target", name="Browser test target")
+    protocol = f.make_protocol(target, slug="browser", hardware=QUEUE,
+                               tasks=("chat", "code"), batch_sizes=(1, 2, 4), ks=(2, 4))
+    seeded = f.seed_board(protocol, 2)  # a measured baseline and two other entries
+    page, url = browser_page, live_server.url
+
+    # sign up
+    page.goto(f"{url}/accounts/signup/")
+    page.fill("#id_username", "grace")
+    page.fill("#id_password1", "a-long-pass-9!")
+    page.fill("#id_password2", "a-long-pass-9!")
+    page.click("#signup-form button[type=submit]")
+    page.wait_for_url(f"{url}/")
+    assert "grace" in page.inner_text("nav")
+
+    # submit an n-gram configuration
+    page.goto(f"{url}/submit/")
+    page.select_option("#id_target", str(target.pk))
+    page.select_option("#id_protocol", str(protocol.pk))
+    page.select_option("#id_method", "ngram")
+    page.fill("#id_name", "Browser n-gram 2-4")
+    page.fill("#id_prompt_lookup_min", "2")
+    page.fill("#id_prompt_lookup_max", "4")
+    page.click("#submit-form button[type=submit]")
+    page.wait_for_url("**/queue/**")
+    drafter = Drafter.objects.get(name="Browser n-gram 2-4")
+    run = Run.objects.get(drafter=drafter)
+    assert drafter.owner.username == "grace" and run.hardware == QUEUE
+    row = page.locator(f"#run-{run.pk}")
+    assert "queued" in row.inner_text() and "Browser n-gram 2-4" in row.inner_text()
+    assert row.locator("[data-field=position]").inner_text() == "1"
+    assert row.locator("button", has_text="Cancel").count() == 1  # the owner may cancel
+
+    # a worker takes it: the progress bar moves without a reload
+    Run.objects.filter(pk=run.pk).update(state=Run.RUNNING, cells_done=3, eta_seconds=75)
+    page.wait_for_function(
+        f"document.querySelector('#run-{run.pk} [data-field=progress]').textContent"
+        f".includes('3/{run.cells_total} cells')", timeout=10000)
+    assert "ETA 1m 15s" in row.inner_text()
+    width = page.eval_on_selector(f"#run-{run.pk} .bar span", "e => parseFloat(e.style.width)")
+    assert width == pytest.approx(3 / run.cells_total * 100, abs=0.1)
+    page.screenshot(path=str(artifacts_dir / "queue.png"), full_page=True)
+
+    # ... and finishes (its cells are test data computed by worker.metrics)
+    f.add_drafter_results(run, 0.7, seeded["baseline_results"])
+    Run.objects.filter(pk=run.pk).update(state=Run.SUCCEEDED, cells_done=run.cells_total)
+    page.wait_for_function(
+        f"document.querySelector('#run-{run.pk} [data-field=state]').textContent === 'succeeded'",
+        timeout=10000)
+
+    # the leaderboard lists it with the baseline row
+    page.goto(f"{url}/?protocol={protocol.slug}@{protocol.version}")
+    board = page.inner_text("#leaderboard")
+    assert "Browser n-gram 2-4" in board and "Baseline" in board
+    page.screenshot(path=str(artifacts_dir / "leaderboard.png"), full_page=True)
+
+    # the drafter page: every chart holds data
+    page.click("text=Browser n-gram 2-4")
+    page.wait_for_url(f"**/drafters/{drafter.slug}/")
+    page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length === 5")
+    charts = page.evaluate(CHARTS_HOLD_DATA)
+    assert charts and len(charts) == 5
+    for chart in charts:
+        assert chart["traces"] > 0 and chart["points"] > 0, chart
+    assert page.evaluate("document.querySelector('.js-plotly-plot').data.length > 0")
+    assert page.locator("table.cells tbody tr").count() == 2 * 3 * 2
+    page.screenshot(path=str(artifacts_dir / "drafter-page.png"), full_page=True)
+    assert (artifacts_dir / "drafter-page.png").stat().st_size > 10000
+
+    # compare overlays it with another entry
+    page.goto(f"{url}/compare/?protocol={protocol.slug}@1&d={drafter.slug}"
+              f"&d={seeded['drafters'][0].slug}")
+    page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length === 4")
+    names = page.evaluate(
+        "Array.from(document.querySelector('#chart-speedup').data).map(t => t.name)")
+    assert len(names) == 2 and any("Browser n-gram" in n for n in names)
