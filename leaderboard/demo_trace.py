@@ -173,12 +173,7 @@ def counters(counts: metrics.SpecCounts, generated_tokens: int, seconds: float |
     return {
         "generated_tokens": generated_tokens,
         "steps": steps,
-        "drafts": counts.drafts,
-        "draft_tokens": counts.draft_tokens,
-        "accepted_tokens": counts.accepted_tokens,
-        "acceptance_length": metrics.acceptance_length(counts),
-        "acceptance_rate": metrics.acceptance_rate(counts),
-        "per_position_acceptance": metrics.per_position_acceptance(counts),
+        **metrics.acceptance_figures(counts),
         "tokens_per_s": tps,
         "baseline_tokens_per_s": baseline_tokens_per_s,
         "speedup": metrics.speedup(tps, baseline_tokens_per_s),

@@ -72,6 +72,20 @@ def conditional_acceptance(c: SpecCounts):
     return out
 
 
+def acceptance_figures(c: SpecCounts) -> dict:
+    """The counts and every acceptance figure of them, as a result row holds them."""
+    return {
+        "drafts": c.drafts,
+        "draft_tokens": c.draft_tokens,
+        "accepted_tokens": c.accepted_tokens,
+        "accepted_at": list(c.accepted_at),
+        "acceptance_length": acceptance_length(c),
+        "acceptance_rate": acceptance_rate(c),
+        "per_position_acceptance": per_position_acceptance(c),
+        "conditional_acceptance": conditional_acceptance(c),
+    }
+
+
 def output_throughput(generated_tokens: int, wall_seconds: float):
     """Output throughput = generated tokens / wall time of the cell (tokens per second),
     with b requests in flight at batch size b."""

@@ -92,11 +92,6 @@ def summary(results) -> dict:
         "generated_tokens": generated,
         "wall_s": breakdown["wall"],
         "output_throughput": metrics.output_throughput(generated, breakdown["wall"]),
-        "drafts": counts.drafts,
-        "draft_tokens": counts.draft_tokens,
-        "accepted_tokens": counts.accepted_tokens,
-        "acceptance_length": metrics.acceptance_length(counts),
-        "acceptance_rate": metrics.acceptance_rate(counts),
-        "per_position_acceptance": metrics.per_position_acceptance(counts),
+        **metrics.acceptance_figures(counts),
         "time_breakdown": breakdown,
     }
