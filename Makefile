@@ -13,7 +13,12 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 DEMO_PORT ?= 7860
 
-.PHONY: install run test migrate setup-demo worker web demo clean-var
+# make demo-drafters: the shared training data of the demo target and the four baseline recipes.
+DEMO_TRAIN_N ?= 128
+DEMO_TRAIN_SEED ?= 0
+DEMO_RECIPES := draft_model eagle eagle_multistep medusa
+
+.PHONY: install run test migrate setup-demo worker web demo clean-var demo-drafters
 
 # The environment is rebuilt when pyproject.toml changes.
 $(VENV)/.installed: pyproject.toml
@@ -46,6 +51,18 @@ setup-demo: migrate
 
 run: setup-demo
 	$(PY) -m leaderboard.runall --host $(HOST) --port $(PORT) --demo-port $(DEMO_PORT)
+
+# Not part of `make run`: about an hour on 2 cores. Idempotent: existing data and drafters
+# are reused, so an interrupted run can be started again.
+demo-drafters: migrate
+	$(PY) manage.py setup_demo
+	$(PY) manage.py make_training_data --target smollm2-135m-instruct --slug demo-chat \
+		--n $(DEMO_TRAIN_N) --seed $(DEMO_TRAIN_SEED) --batch-size 32 --skip-existing
+	for recipe in $(DEMO_RECIPES); do \
+		$(PY) manage.py train_drafter --recipe $$recipe --target smollm2-135m-instruct \
+			--data demo-chat --protocol demo-cpu --seed $(DEMO_TRAIN_SEED) --skip-existing \
+			--resume-if-any || exit 1; \
+	done
 
 web: migrate
 	$(PY) manage.py runserver $(HOST):$(PORT)

@@ -1,7 +1,7 @@
 from django.contrib import admin
 
 from .models import (ApiToken, Drafter, DrafterFile, Prompt, PromptSet, Protocol, Result, Run,
-                     Target)
+                     Target, TrainingDataset)
 
 
 @admin.register(Target)
@@ -80,3 +80,10 @@ class ApiTokenAdmin(admin.ModelAdmin):
     list_display = ("user", "name", "created_at", "last_used_at", "revoked_at")
     search_fields = ("user__username", "name")
     readonly_fields = ("token_sha256",)
+
+
+@admin.register(TrainingDataset)
+class TrainingDatasetAdmin(admin.ModelAdmin):
+    list_display = ("slug", "version", "target", "n", "tokens", "source", "sha256", "created_at")
+    search_fields = ("slug", "sha256")
+    readonly_fields = ("sha256", "path", "params")

@@ -144,13 +144,16 @@ def submit_drafter(*, owner, protocol: Protocol, method: str, name: str, uploads
                    params: dict | None = None, description: str = "", link: str = "",
                    licence: str = "", claimed_acceptance_length: float | None = None,
                    claimed_speedup: float | None = None, claimed_source: str = "",
-                   send: bool = True) -> tuple[Drafter, Run]:
+                   send: bool = True, extra_fields: dict | None = None) -> tuple[Drafter, Run]:
     """Validate and store a drafter for `protocol`'s target and queue its run.
 
     `uploads`: (name, file object or path, size) triples (worker.checkpoint.Upload). Raises
     SubmissionRefused (nothing stored) for the rate limit, bad parameters, a refused upload
-    (the checkpoint's problems) or a duplicate content hash under the same protocol."""
-    check_rate_limit(owner)
+    (the checkpoint's problems) or a duplicate content hash under the same protocol.
+    ``extra_fields``: more Drafter fields (the training provenance of a baseline drafter,
+    leaderboard/training.py); a drafter without an owner (a site baseline) has no rate limit."""
+    if owner is not None:
+        check_rate_limit(owner)
     params = check_params(method, params or {}, protocol)
     try:
         ckpt = validate_checkpoint(list(uploads), method, target_facts(protocol),
@@ -169,7 +172,8 @@ def submit_drafter(*, owner, protocol: Protocol, method: str, name: str, uploads
                 target=protocol.target, params=params, description=description, link=link,
                 licence=licence, content_sha256=content,
                 claimed_acceptance_length=claimed_acceptance_length,
-                claimed_speedup=claimed_speedup, claimed_source=claimed_source)
+                claimed_speedup=claimed_speedup, claimed_source=claimed_source,
+                **(extra_fields or {}))
             for i, f in enumerate(ckpt.files):
                 with f.open() as fh:
                     saved = default_storage.save(storage_name(content, i, f.name), File(fh),

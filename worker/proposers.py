@@ -16,8 +16,14 @@ A proposer learns what the target accepted from the next call's contexts, so the
 separate commit call: a stateful proposer (the draft model) compares its cached tokens with
 the new context and rolls back its own KV cache to their common prefix.
 
-Methods: ``ngram`` (prompt lookup) and ``draft_model`` (a smaller Llama sharing the
-tokenizer). EAGLE, EAGLE-3, Medusa and MTP heads are not implemented here: see
+Proposers that read the target's hidden states set ``uses_hidden_states = True``; the
+engine then computes them during verification and passes ``hidden_states=[...]`` to
+``propose``: per sequence, [m, hidden] for the context positions the proposer has not been
+given yet (the prompt at first, then the last token and the accepted drafts of each step).
+
+Methods: ``ngram`` (prompt lookup), ``draft_model`` (a smaller Llama sharing the
+tokenizer), ``eagle`` (an EAGLE-1 head) and ``medusa`` (Medusa heads), the last two in the
+layouts of worker/heads.py. EAGLE-3 and MTP heads are not implemented here: see
 ``NOT_IMPLEMENTED``.
 """
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import NamedTuple
 import torch
 
 from worker.engines.reference import DTYPES, Llama
+from worker.heads import EagleHead, MedusaHeads
 
 
 class Draft(NamedTuple):
@@ -150,36 +157,161 @@ class DraftModelProposer:
         return torch.cat([logits, pad], dim=-1)
 
 
+class EagleProposer:
+    """An EAGLE-1 head over the target's hidden states, drafting autoregressively with its
+    own KV cache: the head's position p reads the target's hidden state at p and the token
+    at p + 1; each draft step feeds the head's own output feature back. Positions are
+    committed with the target's real hidden states only (drafted positions are overwritten
+    at the next call), as vLLM does. Greedy at temperature 0; otherwise samples from
+    q = softmax(logits / T) and returns q."""
+
+    method = "eagle"
+    uses_hidden_states = True
+
+    def __init__(self, path, dtype: str = "float32", device: str = "cpu"):
+        self.path = Path(path)
+        self.head = EagleHead.from_pretrained(self.path, DTYPES[dtype], device)
+        self.device = torch.device(device)
+
+    def start(self, engine, batch_size, max_slots, temperature):
+        target = engine.model
+        if target.config.hidden_size != self.head.config.hidden_size:
+            raise ValueError(f"the EAGLE head's hidden size {self.head.config.hidden_size} differs "
+                             f"from the target's {target.config.hidden_size}")
+        self.embed, self.lm_head = target.embed_tokens, target.lm_head  # shared, as in vLLM
+        self.temperature = temperature
+        self.cache = self.head.new_cache(batch_size, max_slots + 1)
+
+    def propose(self, rows, contexts, num_tokens, generators, hidden_states=None):
+        if hidden_states is None:
+            raise ValueError("the EAGLE proposer needs the target's hidden states")
+        dtype = self.head.fc.weight.dtype
+        drafts = [Draft([]) for _ in rows]
+        # Commit the new positions: head position p reads token p + 1 and the target's h[p].
+        row_index = torch.tensor(rows, device=self.device)
+        starts = self.cache.lengths[row_index].tolist()
+        new_tokens, new_feats = [], []
+        for context, start, feats in zip(contexts, starts, hidden_states):
+            if start + len(feats) != len(context) - 1:
+                raise RuntimeError(f"EAGLE proposer out of step: {start} cached positions + "
+                                   f"{len(feats)} new hidden states for a context of {len(context)}")
+            new_tokens.append(context[start + 1:])
+            new_feats.append(feats)
+        width = max(len(t) for t in new_tokens)
+        ids = _right_pad(new_tokens, self.device)
+        feats = torch.zeros(len(rows), width, self.head.config.hidden_size, dtype=dtype, device=self.device)
+        for i, f in enumerate(new_feats):
+            feats[i, :len(f)] = f.to(dtype)
+        out = self.head(self.embed(ids).to(dtype), feats, self.cache, rows=row_index)
+        lengths = torch.tensor([len(t) for t in new_tokens], device=self.device)
+        self.cache.lengths[row_index] += lengths
+        committed = self.cache.lengths[row_index].clone()
+        feature = out[torch.arange(len(rows)), lengths - 1]  # [R, hidden]: predicts token n
+        todo = [i for i, n in enumerate(num_tokens) if n > 0]
+        tokens = {i: [] for i in todo}
+        probs = {i: [] for i in todo}
+        live = list(todo)
+        feature = feature[todo] if todo else feature
+        while live:
+            logits = self.lm_head(feature.to(self.lm_head.weight.dtype)).float()
+            step = []
+            for j, i in enumerate(live):
+                if self.temperature == 0:
+                    token = int(logits[j].argmax())
+                else:
+                    q = torch.softmax(logits[j] / self.temperature, dim=-1)
+                    token = int(torch.multinomial(q, 1, generator=generators[i]))
+                    probs[i].append(q)
+                tokens[i].append(token)
+                step.append(token)
+            keep = [j for j, i in enumerate(live) if len(tokens[i]) < num_tokens[i]]
+            if not keep:
+                break
+            live = [live[j] for j in keep]
+            sub = torch.tensor([rows[i] for i in live], device=self.device)
+            ids = torch.tensor([[step[j]] for j in keep], device=self.device)
+            out = self.head(self.embed(ids).to(dtype), feature[keep][:, None], self.cache, rows=sub)
+            self.cache.lengths[sub] += 1
+            feature = out[:, 0]
+        self.cache.lengths[row_index] = committed  # drafted positions are never committed
+        for i in todo:
+            drafts[i] = Draft(tokens[i], torch.stack(probs[i]) if probs[i] else None)
+        return drafts
+
+
+class MedusaProposer:
+    """Medusa heads: from the target's hidden state at the last committed position (the one
+    that gave the last emitted token), head i proposes the token i + 1 places after it.
+    One forward of the heads per step, no state. Top-1 at temperature 0; otherwise each
+    head's token is sampled from q = softmax(logits / T), returned for rejection sampling."""
+
+    method = "medusa"
+    uses_hidden_states = True
+
+    def __init__(self, path, dtype: str = "float32", device: str = "cpu"):
+        self.path = Path(path)
+        self.heads = MedusaHeads.from_pretrained(self.path, DTYPES[dtype], device)
+        self.device = torch.device(device)
+
+    def start(self, engine, batch_size, max_slots, temperature):
+        if engine.config.hidden_size != self.heads.hidden:
+            raise ValueError(f"the Medusa heads' hidden size {self.heads.hidden} differs from "
+                             f"the target's {engine.config.hidden_size}")
+        self.temperature = temperature
+        self.last = [None] * batch_size  # the newest hidden state of each sequence
+
+    def propose(self, rows, contexts, num_tokens, generators, hidden_states=None):
+        if hidden_states is None:
+            raise ValueError("the Medusa proposer needs the target's hidden states")
+        for row, feats in zip(rows, hidden_states):
+            if len(feats):
+                self.last[row] = feats[-1]
+        drafts = [Draft([]) for _ in rows]
+        todo = [i for i, n in enumerate(num_tokens) if n > 0]
+        if not todo:
+            return drafts
+        dtype = self.heads.lm_head.weight.dtype
+        logits = self.heads(torch.stack([self.last[rows[i]] for i in todo]).to(dtype)).float()
+        for j, i in enumerate(todo):
+            n = min(num_tokens[i], self.heads.num_heads)
+            if self.temperature == 0:
+                drafts[i] = Draft(logits[j, :n].argmax(-1).tolist())
+            else:
+                q = torch.softmax(logits[j, :n] / self.temperature, dim=-1)
+                tokens = [int(torch.multinomial(q[h], 1, generator=generators[i])) for h in range(n)]
+                drafts[i] = Draft(tokens, q)
+        return drafts
+
+
 def _right_pad(rows, device, pad=0):
     width = max(len(r) for r in rows)
     return torch.tensor([list(r) + [pad] * (width - len(r)) for r in rows], dtype=torch.long,
                         device=device)
 
 
-PROPOSERS = {"ngram": NgramProposer, "draft_model": DraftModelProposer}
+PROPOSERS = {"ngram": NgramProposer, "draft_model": DraftModelProposer,
+             "eagle": EagleProposer, "medusa": MedusaProposer}
+WEIGHTED = ("draft_model", "eagle", "medusa")
 
-# Methods a drafter may be submitted with that the reference engine does not run. Their
-# heads read the target's hidden states, and their checkpoint layouts differ by release
-# (EAGLE-1 ``fc`` + one decoder layer; EAGLE-3 three fused hidden states and a d2t/t2d
-# vocabulary map; Medusa heads as ResBlocks in a .pt file; MTP layers inside the target's
-# own checkpoint); with no such checkpoint here to check a loader against, they are left to
-# the vLLM engine, which reads them.
-NOT_IMPLEMENTED = ("eagle", "eagle3", "medusa", "mtp")
+# Methods a drafter may be submitted with that the reference engine does not run: EAGLE-3
+# (three fused hidden layers and a d2t/t2d vocabulary map) and MTP (layers inside the
+# target's own checkpoint) are left to the vLLM engine, which reads them.
+NOT_IMPLEMENTED = ("eagle3", "mtp")
 
 
 def make_proposer(method: str, path: str | None = None, **params):
-    """A proposer for ``method``: ``ngram`` (params prompt_lookup_min, prompt_lookup_max) or
-    ``draft_model`` (``path`` to a Llama checkpoint sharing the target's tokenizer; params
-    dtype, device)."""
+    """A proposer for ``method``: ``ngram`` (params prompt_lookup_min, prompt_lookup_max),
+    ``draft_model`` (``path`` to a Llama checkpoint sharing the target's tokenizer), ``eagle``
+    or ``medusa`` (``path`` to a head checkpoint, worker/heads.py); params dtype, device."""
     if method in NOT_IMPLEMENTED:
         raise NotImplementedError(f"the reference engine has no {method} proposer; "
                                   f"measure it with the vLLM engine")
     if method not in PROPOSERS:
         raise ValueError(f"unknown drafting method {method!r}; known: {sorted(PROPOSERS)}")
-    if method == "draft_model":
+    if method in WEIGHTED:
         if not path:
-            raise ValueError("draft_model needs the path of the draft checkpoint")
-        return DraftModelProposer(path, **params)
+            raise ValueError(f"{method} needs the path of its checkpoint folder")
+        return PROPOSERS[method](path, **params)
     if path:
         raise ValueError(f"{method} takes no checkpoint path")
     return NgramProposer(**params)

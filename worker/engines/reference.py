@@ -232,10 +232,13 @@ class Llama(nn.Module):
                        self.embed_tokens.weight.device)
 
     @torch.no_grad()
-    def forward(self, input_ids, cache: KVCache, rows=None, logits_at=None):
+    def forward(self, input_ids, cache: KVCache, rows=None, logits_at=None, return_hidden=False):
         """Logits [R, T or P, vocab] in float32 for ``input_ids`` [R, T] appended to the cached
         tokens of the cache rows ``rows`` (all rows when None). ``logits_at`` [R, P] picks
-        the input positions whose logits are wanted (all when None). Nothing is committed."""
+        the input positions whose logits are wanted (all when None). Nothing is committed.
+        ``return_hidden``: also return the last hidden states after the final norm, [R, T,
+        hidden], for every input position (what EAGLE and Medusa heads read); off by
+        default so plain decoding normalises only the positions it needs."""
         num_rows, length = input_ids.shape
         device = input_ids.device
         row_index = torch.arange(cache.batch_size, device=device) if rows is None else rows
@@ -256,6 +259,12 @@ class Llama(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache.k[i], cache.v[i], write_rows, positions, read_rows,
                       num_slots, mask)
+        if return_hidden:
+            hidden = self.norm(x)
+            if logits_at is not None:
+                hidden_at = hidden.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
+                return self.lm_head(hidden_at).float(), hidden
+            return self.lm_head(hidden).float(), hidden
         if logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
         return self.lm_head(self.norm(x)).float()
@@ -446,6 +455,10 @@ class ReferenceEngine:
         cache = self.model.new_cache(len(seqs), max_slots)
         if proposer is not None:
             proposer.start(self, len(seqs), max_slots + k, temperature)
+        # Heads that read the target's hidden states (EAGLE, Medusa) get those of the newly
+        # committed positions with each propose call; plain decoding never computes them.
+        with_hidden = bool(getattr(proposer, "uses_hidden_states", False))
+        pending_hidden = [[] for _ in seqs]  # per sequence: [n, hidden] chunks not yet passed
 
         def finish_step(step, traces):
             # The traces share the step's times dict, which the callback sees before this
@@ -472,7 +485,14 @@ class ReferenceEngine:
         lengths = torch.tensor([len(s.prompt_ids) for s in seqs], device=self.device)
         input_ids = _right_pad([s.prompt_ids for s in seqs], self.device)
         clock.lap("other")
-        logits = self.model(input_ids, cache, logits_at=(lengths - 1)[:, None])[:, 0]
+        if with_hidden:
+            logits, hidden = self.model(input_ids, cache, logits_at=(lengths - 1)[:, None],
+                                        return_hidden=True)
+            logits = logits[:, 0]
+            for s in seqs:
+                pending_hidden[s.index].append(hidden[s.index, :len(s.prompt_ids)])
+        else:
+            logits = self.model(input_ids, cache, logits_at=(lengths - 1)[:, None])[:, 0]
         clock.lap("verification")
         first = [sample_token(logits[s.index], temperature, s.generator) for s in seqs]
         clock.lap("sampling")
@@ -491,8 +511,15 @@ class ReferenceEngine:
             drafts = [([], None)] * len(active)
             clock.lap("other")
             if proposer is not None and any(want):
+                extra = {}
+                if with_hidden:
+                    # Target hidden states of the context positions the proposer has not
+                    # seen yet (it keeps its own cache of the earlier ones).
+                    extra["hidden_states"] = [torch.cat(pending_hidden[s.index]) for s in active]
+                    for s in active:
+                        pending_hidden[s.index] = []
                 drafts = proposer.propose([s.index for s in active], [s.tokens for s in active],
-                                          want, [s.generator for s in active])
+                                          want, [s.generator for s in active], **extra)
                 drafts = [(list(d[0])[:n], None if d[1] is None else d[1][:n])
                           for d, n in zip(drafts, want)]
             clock.lap("drafting")
@@ -501,7 +528,10 @@ class ReferenceEngine:
             rows = None if len(active) == len(seqs) else torch.tensor([s.index for s in active])
             input_ids = _right_pad(rows_input, self.device)
             clock.lap("other")
-            logits = self.model(input_ids, cache, rows=rows)
+            if with_hidden:
+                logits, hidden = self.model(input_ids, cache, rows=rows, return_hidden=True)
+            else:
+                logits = self.model(input_ids, cache, rows=rows)
             clock.lap("verification")
             results = []
             if temperature == 0:
@@ -513,9 +543,11 @@ class ReferenceEngine:
                     results.append(verify_sampling(row_probs, list(drafted), q, s.generator))
             clock.lap("sampling")
             traces = []
-            for s, (drafted, _), (accepted, bonus) in zip(active, drafts, results):
+            for i, (s, (drafted, _), (accepted, bonus)) in enumerate(zip(active, drafts, results)):
                 # Committed: the last token and the accepted drafts; the bonus is next input.
                 cache.rollback(s.index, len(s.tokens) + accepted)
+                if with_hidden:  # the committed positions: the last token and accepted drafts
+                    pending_hidden[s.index].append(hidden[i, :accepted + 1])
                 traces.append(self._append(s, list(drafted), accepted, bonus, step, eos))
             finish_step(step, traces)
 

@@ -1,0 +1,249 @@
+"""Training services: the shared training data of a target (make_training_data) and the
+baseline drafters trained on it (train_drafter), registered and queued like a submission.
+
+Writes go through here; the library that generates and trains is worker/training (no
+Django). A dataset's file is stored through Django's storage (so remote workers can read
+it) and read from a local copy under DATA_DIR.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from django.conf import settings
+from django.core.files import File
+from django.core.files.storage import default_storage
+from django.db import transaction
+from django.utils.text import slugify
+
+from worker.checkpoint import Upload
+
+from .models import Drafter, Prompt, Protocol, Target, TrainingDataset
+from .services import ServiceError
+from .submissions import SubmissionRefused, submit_drafter
+
+
+def find_target(slug: str) -> Target:
+    target = Target.objects.filter(slug=slug).first()
+    if target is None:
+        known = ", ".join(Target.objects.values_list("slug", flat=True)) or "none (run setup_demo)"
+        raise ServiceError(f"no target {slug!r}; known targets: {known}")
+    if not target.path or not (Path(target.path) / "config.json").is_file():
+        raise ServiceError(f"target {slug}: its checkpoint folder {target.path!r} is missing on "
+                           "this machine (run setup_demo, or set the target's path)")
+    return target
+
+
+def find_dataset(spec: str) -> TrainingDataset:
+    """``slug`` (the newest version) or ``slug@version``."""
+    slug, _, version = spec.partition("@")
+    qs = TrainingDataset.objects.filter(slug=slug)
+    if version:
+        if not version.isdigit():
+            raise ServiceError(f"bad dataset version {version!r} in {spec!r}: use SLUG@N")
+        qs = qs.filter(version=int(version))
+    row = qs.order_by("-version").first()
+    if row is None:
+        known = ", ".join(sorted(set(TrainingDataset.objects.values_list("slug", flat=True))))
+        raise ServiceError(f"no training data {spec!r}; make it with `manage.py "
+                           f"make_training_data` (known: {known or 'none'})")
+    return row
+
+
+def find_protocol(spec: str | None, target: Target) -> Protocol:
+    """``slug`` (newest version) or ``slug@version``; None: the target's newest protocol."""
+    if not spec:
+        protocol = Protocol.objects.filter(target=target).order_by("-created_at").first()
+        if protocol is None:
+            raise ServiceError(f"target {target.slug} has no protocol to measure under; "
+                               "create one (setup_demo) or pass --protocol")
+        return protocol
+    slug, _, version = spec.partition("@")
+    qs = Protocol.objects.filter(slug=slug)
+    if version:
+        qs = qs.filter(version=int(version)) if version.isdigit() else qs.none()
+    protocol = qs.order_by("-version").first()
+    if protocol is None:
+        raise ServiceError(f"no protocol {spec!r}")
+    if protocol.target_id != target.pk:
+        raise ServiceError(f"protocol {protocol} measures target {protocol.target.slug}, "
+                           f"not {target.slug}")
+    return protocol
+
+
+def evaluation_prompt_hashes() -> dict:
+    """{hash of a normalised turn: a label naming the prompt} over every turn of every
+    prompt of every prompt set (each is an evaluation set, used by a protocol or not yet)."""
+    from worker.training.data import text_sha256
+
+    used_by = {}
+    for p in Protocol.objects.all():
+        for task in p.spec.get("tasks", []):
+            used_by.setdefault(task["prompt_set"], []).append(f"{p.slug} v{p.version}")
+    out = {}
+    for prompt in Prompt.objects.select_related("prompt_set").iterator():
+        slug = prompt.prompt_set.slug
+        where = f" of protocol {', '.join(sorted(set(used_by[slug])))}" if slug in used_by else ""
+        for i, turn in enumerate(prompt.turns or []):
+            if isinstance(turn, str) and turn.strip():
+                out.setdefault(text_sha256(turn),
+                               f"{slug}#{prompt.external_id} (turn {i + 1}{where})")
+    return out
+
+
+def dataset_local_path(dataset: TrainingDataset) -> Path:
+    """A local copy of the dataset's file (the storage's own path when it has one)."""
+    try:
+        path = Path(default_storage.path(dataset.path))
+        if path.is_file():
+            return path
+    except NotImplementedError:  # an object store: copy it once
+        pass
+    local = settings.DATA_DIR / "training" / dataset.sha256 / "conversations.jsonl"
+    if not local.is_file():
+        local.parent.mkdir(parents=True, exist_ok=True)
+        with default_storage.open(dataset.path, "rb") as src, open(local.with_suffix(".part"), "wb") as out:
+            shutil.copyfileobj(src, out)
+        local.with_suffix(".part").rename(local)
+    return local
+
+
+def make_training_data(target: Target, n: int, *, slug: str | None = None, prompts_file=None,
+                       seed: int = 0, max_question_tokens: int = 48, max_answer_tokens: int = 192,
+                       answer_temperature: float = 0.0, batch_size: int = 16,
+                       skip_existing: bool = False, progress=None) -> tuple[TrainingDataset, bool]:
+    """Generate (or answer ``prompts_file``) ``n`` conversations with the target and store
+    them as the next version of ``slug``. The same content as that slug's newest version is
+    a no-op, and so is any existing version with ``skip_existing``. Evaluation prompts are
+    refused (a prompts file) or dropped (generated)."""
+    from worker.engines.reference import ReferenceEngine
+    from worker.training import limit_threads
+    from worker.training.data import (GenerationSettings, TrainingDataError, generate_conversations,
+                                      read_prompts_file, write_dataset)
+
+    if n < 1:
+        raise ServiceError("--n must be at least 1")
+    slug = slug or slugify(f"{target.slug}-{'prompts' if prompts_file else 'self'}-chat")
+    if skip_existing:
+        existing = TrainingDataset.objects.filter(slug=slug, target=target).order_by("-version").first()
+        if existing is not None:
+            return existing, False
+    forbidden = evaluation_prompt_hashes()
+    prompts = read_prompts_file(prompts_file) if prompts_file else None
+    if prompts is not None:
+        from worker.training.data import check_not_evaluation
+
+        try:
+            check_not_evaluation(prompts, forbidden, where=f"{prompts_file}: ")
+        except TrainingDataError as e:
+            raise ServiceError(str(e)) from None
+    limit_threads()
+    engine = ReferenceEngine(target.path)
+    gen = GenerationSettings(n=n, seed=seed, max_question_tokens=max_question_tokens,
+                             max_answer_tokens=max_answer_tokens,
+                             answer_temperature=answer_temperature, batch_size=batch_size)
+    try:
+        records, stats = generate_conversations(engine, gen, prompts=prompts, forbidden=forbidden,
+                                                progress=progress)
+    except TrainingDataError as e:
+        raise ServiceError(str(e)) from None
+    with tempfile.TemporaryDirectory(dir=_tmp_root()) as tmp:
+        local = Path(tmp) / "conversations.jsonl"
+        sha = write_dataset(records, local)
+        latest = TrainingDataset.objects.filter(slug=slug).order_by("-version").first()
+        if latest is not None and latest.sha256 == sha:
+            return latest, False
+        if latest is not None and latest.target_id != target.pk:
+            raise ServiceError(f"training data {slug!r} belongs to target {latest.target.slug}; "
+                               "choose another --slug")
+        version = (latest.version + 1) if latest else 1
+        with transaction.atomic():
+            with open(local, "rb") as fh:
+                name = default_storage.save(f"training-data/{slug}/v{version}/conversations.jsonl", File(fh))
+            row = TrainingDataset.objects.create(
+                slug=slug, version=version, target=target, sha256=sha, n=len(records),
+                tokens=stats["tokens"], path=name,
+                source=Path(prompts_file).name if prompts_file else "generated",
+                params={"generation": gen.to_dict(), "stats": stats,
+                        "target_sha256": target.weights_sha256})
+    return row, True
+
+
+def _tmp_root() -> Path:
+    root = settings.DATA_DIR / "tmp"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def train_and_register(recipe: str, target: Target, dataset: TrainingDataset, protocol: Protocol,
+                       *, seed: int = 0, steps=None, batch_size=None, lr=None, options=None,
+                       out_dir=None, resume=False, checkpoint_minutes: float = 5.0,
+                       progress=True, say=print, send=True, stop_after_steps=None):
+    """Train ``recipe`` on ``dataset`` and register the result as a baseline drafter of
+    ``protocol`` (files through the submission path, run queued). Returns (summary,
+    drafter or None, run or None); an unfinished run (``stop_after_steps``) registers
+    nothing and can be resumed."""
+    from worker.training import train_recipe
+    from worker.training.data import check_not_evaluation, read_dataset
+
+    if dataset.target_id != target.pk:
+        raise ServiceError(f"training data {dataset} was written by target {dataset.target.slug}, "
+                           f"not {target.slug}")
+    local = dataset_local_path(dataset)
+    # Protocols may have been added since the data were made: check again before training.
+    try:
+        check_not_evaluation([r.get("user", "") for r in read_dataset(local)],
+                             evaluation_prompt_hashes(), where=f"training data {dataset}: ")
+    except ValueError as e:
+        raise ServiceError(str(e)) from None
+    out_dir = Path(out_dir or settings.DATA_DIR / "training-runs" / f"{dataset.slug}-v{dataset.version}"
+                   / f"{recipe}-seed{seed}")
+    if resume == "if_any":  # continue an interrupted run, start one otherwise
+        from worker.training.loop import STATE_FILE
+
+        resume = (out_dir / STATE_FILE).is_file()
+    summary = train_recipe(recipe, target.path, local, target.weights_sha256, out_dir, seed=seed,
+                           steps=steps, batch_size=batch_size, lr=lr, options=options,
+                           resume=resume, checkpoint_every_s=checkpoint_minutes * 60,
+                           progress=progress, stop_after_steps=stop_after_steps, say=say)
+    if not summary["finished"]:
+        return summary, None, None
+    drafter, run = register_drafter(summary, recipe, dataset, protocol, send=send)
+    return summary, drafter, run
+
+
+def register_drafter(summary: dict, recipe: str, dataset: TrainingDataset, protocol: Protocol,
+                     send=True):
+    """Store a trained drafter's folder like an upload and queue its run."""
+    folder = Path(summary["drafter_dir"])
+    uploads = [Upload(f.name, f, f.stat().st_size) for f in sorted(folder.iterdir()) if f.is_file()]
+    loss = summary.get("final_loss")
+    # Short enough that the slug (40 characters) keeps the data and the seed.
+    name = f"{recipe} ({dataset.slug} v{dataset.version}, seed {summary['seed']})"
+    description = (f"Baseline drafter trained on this site by the {recipe} recipe "
+                   f"(`manage.py train_drafter --recipe {recipe}`) on the target's own "
+                   f"conversations {dataset.slug} v{dataset.version} (sha256 {dataset.sha256[:12]}...), "
+                   f"seed {summary['seed']}, {summary['steps']} steps in "
+                   f"{summary['seconds'] / 60:.1f} min" + (f", final loss {loss:.4f}" if loss else "") + ".")
+    details = {k: summary[k] for k in ("steps", "first_loss", "final_loss", "tokens", "settings",
+                                       "options") if k in summary}
+    try:
+        return submit_drafter(
+            owner=None, protocol=protocol, method=summary["method"], name=name, uploads=uploads,
+            description=description, licence=f"as the target's ({dataset.target.name})", send=send,
+            extra_fields=dict(trained_by_recipe=recipe, training_data=dataset,
+                              training_data_sha256=dataset.sha256, training_seed=summary["seed"],
+                              training_seconds=round(summary["seconds"], 1),
+                              training_details=json.loads(json.dumps(details))))
+    except SubmissionRefused as e:
+        if e.existing is not None:
+            raise ServiceError(f"this {recipe} drafter is already registered as "
+                               f"{e.existing.slug} (same files): nothing to do") from None
+        raise ServiceError("the trained drafter was refused: " + "; ".join(str(p) for p in e.problems)) from None
+
+
+def trained_drafter(recipe: str, dataset: TrainingDataset, seed: int) -> Drafter | None:
+    return Drafter.objects.filter(trained_by_recipe=recipe, training_data=dataset,
+                                  training_seed=seed).exclude(review_state="withdrawn").first()

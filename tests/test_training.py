@@ -1,0 +1,240 @@
+"""Baseline drafter recipes on the demo target with a few conversations: the shared data
+(the target's own questions and answers, seeded; evaluation prompts refused), each recipe's
+loss falling, its checkpoint passing the upload validation and loading in the reference
+engine with greedy output identical to the target's, EAGLE and Medusa heads actually
+proposing accepted tokens, resuming from a checkpoint, and the registered drafter.
+
+The data are tiny (a few hundred tokens), so the heads are trained to overfit them: that a
+head overfitted on a conversation proposes its continuation is what shows the engine feeds
+the head the hidden states of the right positions.
+"""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from django.core.management import call_command
+from django.core.management.base import CommandError
+
+from worker.checkpoint import TargetFacts, Upload, validate_checkpoint
+from worker.engines.reference import ReferenceEngine
+from worker.proposers import make_proposer
+from worker.training import train_recipe
+from worker.training.data import (GenerationSettings, TrainingDataError, check_not_evaluation,
+                                  generate_conversations, read_dataset, text_sha256, write_dataset)
+
+PROMPTS = [
+    "Write a short poem about the sea.",
+    "What is the capital of France? Answer in one sentence.",
+    "Explain what a binary search does.",
+    "Give me three tips for a good night's sleep.",
+]
+ANSWER_TOKENS = 40
+METHOD = {"draft_model": "draft_model", "eagle": "eagle", "eagle_multistep": "eagle",
+          "medusa": "medusa"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # The machine is shared: two OpenMP threads spin-wait for a busy core (see
+    # test_reference_engine.py).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def engine(demo_target_dir):
+    return ReferenceEngine(demo_target_dir)
+
+
+@pytest.fixture(scope="module")
+def dataset(engine, tmp_path_factory):
+    """Four conversations: the target's greedy answers to PROMPTS."""
+    records, stats = generate_conversations(
+        engine, GenerationSettings(n=len(PROMPTS), max_answer_tokens=ANSWER_TOKENS, batch_size=4),
+        prompts=PROMPTS)
+    path = tmp_path_factory.mktemp("data") / "conversations.jsonl"
+    return path, write_dataset(records, path)
+
+
+@pytest.fixture(scope="module")
+def target(engine, demo_target_dir):
+    """The engine's own target model, shared with the recipes (frozen there)."""
+    return engine.model, json.loads((demo_target_dir / "config.json").read_text())
+
+
+@pytest.fixture
+def train(demo_target_dir, dataset, target):
+    def run(name, out, steps, **kw):
+        kw.setdefault("progress", False)
+        return train_recipe(name, demo_target_dir, dataset[0], "t" * 64, out, steps=steps,
+                            say=lambda m: None, target=target, **kw)
+    return run
+
+
+@pytest.fixture(scope="module")
+def check_prompts(engine):
+    """A training prompt and an unseen one, with the target's own greedy outputs."""
+    ids = [engine.encode_chat(PROMPTS[1]), engine.encode_chat("Name a colour.")]
+    return ids, [r.output_ids for r in engine.generate(ids, max_new_tokens=20)]
+
+
+def test_the_target_writes_seeded_distinct_questions_and_answers_them(engine):
+    # One batch of 8 samples usually holds 2 finished questions: one round of sampling.
+    settings = GenerationSettings(n=2, seed=3, max_question_tokens=48, max_answer_tokens=4,
+                                  batch_size=8)
+    records, stats = generate_conversations(engine, settings)
+    assert len(records) == 2 and stats["questions_sampled"] >= 2
+    assert len({text_sha256(r["user"]) for r in records}) == 2  # deduplicated
+    for r in records:
+        assert r["source"] == "generated" and r["user"].strip()
+        # The prompt is the chat template around the question; the answer follows it.
+        assert r["input_ids"][:r["prompt_len"]] == engine.encode_chat(r["user"])
+        assert 0 < len(r["input_ids"]) - r["prompt_len"] <= 4
+    again, _ = generate_conversations(engine, settings)
+    assert [r["user"] for r in again] == [r["user"] for r in records]  # seeded
+
+
+def test_evaluation_prompts_are_refused_by_hash():
+    forbidden = {text_sha256("What is 2+2?"): "mt-bench#81 (turn 1)"}
+    check_not_evaluation(["What is 3+3?"], forbidden)
+    with pytest.raises(TrainingDataError, match=r"prompt 2 .*what is 2\+2\?.*mt-bench#81"):
+        check_not_evaluation(["Hello there", "  what is   2+2?  "], forbidden)
+
+
+@pytest.mark.parametrize("recipe,steps", [("draft_model", 8), ("eagle", 50),
+                                          ("eagle_multistep", 12), ("medusa", 50)])
+def test_recipe_loss_falls_and_checkpoint_loads_losslessly(recipe, steps, demo_target_dir, train,
+                                                           engine, check_prompts, tmp_path):
+    summary = train(recipe, tmp_path / recipe, steps, lr=2e-3 if recipe != "draft_model" else None)
+    assert summary["finished"] and summary["steps"] == steps
+    assert summary["final_loss"] < 0.8 * summary["first_loss"], summary
+    folder = Path(summary["drafter_dir"])
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    uploads = [Upload(p.name, p, p.stat().st_size) for p in sorted(folder.iterdir())]
+    with validate_checkpoint(uploads, METHOD[recipe], TargetFacts.from_config(demo_target_dir),
+                             max_total_bytes=1 << 30) as ckpt:
+        assert ckpt.parameter_count > 0
+    # Greedy speculative decoding with the trained drafter equals the target's own output,
+    # on a training prompt and on an unseen one, in one batch.
+    ids, plain = check_prompts
+    results = engine.generate(ids, proposer=make_proposer(METHOD[recipe], str(folder)), k=3,
+                              max_new_tokens=20)
+    assert [r.output_ids for r in results] == plain
+    drafted = [s for s in results[0].steps if s.drafted]
+    assert drafted  # it proposed
+    if recipe in ("eagle", "medusa"):
+        # Overfitted on this conversation, the head proposes its continuation: acceptance
+        # well above 1 means it reads the hidden states of the right positions.
+        al = 1 + sum(s.accepted for s in drafted) / len(drafted)
+        assert al > 1.8, al
+
+
+def test_trained_heads_sample_at_temperature(train, engine, tmp_path):
+    summary = train("eagle", tmp_path / "e", 4)
+    ids = [engine.encode_chat(PROMPTS[0])]
+    proposer = make_proposer("eagle", summary["drafter_dir"])
+    out = engine.generate(ids, proposer=proposer, k=3, max_new_tokens=12, temperature=0.8, seed=5)
+    assert len(out[0].output_ids) == 12
+    assert all(s.accepted <= len(s.drafted) for s in out[0].steps)
+
+
+def test_resume_continues_exactly_where_the_checkpoint_stopped(train, tmp_path):
+    train("eagle_multistep", tmp_path / "whole", 4)
+    part = train("eagle_multistep", tmp_path / "part", 4, stop_after_steps=2)
+    assert not part["finished"] and part["steps"] == 2
+    resumed = train("eagle_multistep", tmp_path / "part", 4, resume=True)
+    assert resumed["finished"] and resumed["steps"] == 4
+    from safetensors.torch import load_file
+
+    a = load_file(str(tmp_path / "whole" / "drafter" / "model.safetensors"))
+    b = load_file(str(tmp_path / "part" / "drafter" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name].float(), b[name].float(), atol=2e-2, rtol=0)
+    assert json.loads((tmp_path / "part" / "training.json").read_text())["steps"] == 4
+    # Another seed is another run: resuming it from this checkpoint is refused.
+    from worker.training import ResumeError
+
+    with pytest.raises(ResumeError, match="seed"):
+        train("eagle_multistep", tmp_path / "part", 4, resume=True, seed=1)
+
+
+# ---- Django: commands, evaluation prompts, registration ---------------------------------
+
+@pytest.fixture
+def site(settings, tmp_path, demo_target_dir):
+    from leaderboard import services
+
+    from .factories import make_protocol, make_prompt_set
+
+    settings.MEDIA_ROOT = tmp_path / "media"
+    settings.DATA_DIR = tmp_path / "data"
+    target, _ = services.ensure_target("smollm2", "SmolLM2-135M-Instruct", demo_target_dir)
+    prompt_set = make_prompt_set("eval-set", categories=("writing",), per_category=2)
+    prompt_set.prompts.create(external_id="q-7", position=9, category="writing",
+                              turns=["Write a short poem about the sea.", "Now shorter."])
+    protocol = make_protocol(target, slug="train-test", hardware="cpu", prompt_set=prompt_set)
+    return target, protocol
+
+
+def write_prompts(path, prompts):
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return path
+
+
+@pytest.mark.django_db
+def test_make_training_data_refuses_an_evaluation_prompt(site, tmp_path):
+    from leaderboard.models import TrainingDataset
+
+    file = write_prompts(tmp_path / "p.jsonl", ["Tell me a joke.", "write a short poem  about the SEA."])
+    with pytest.raises(CommandError, match=r"prompt 2 .*eval-set#q-7 \(turn 1 of protocol train-test v1\)"):
+        call_command("make_training_data", "--target", "smollm2", "--n", "2", "--prompts", str(file))
+    assert not TrainingDataset.objects.exists()
+    with pytest.raises(CommandError, match="no target 'nope'"):
+        call_command("make_training_data", "--target", "nope", "--n", "2")
+
+
+@pytest.mark.django_db
+def test_trained_drafter_is_registered_with_its_recipe_and_queued(site, tmp_path, capsys):
+    from leaderboard import selectors
+    from leaderboard.models import Drafter, Run, TrainingDataset
+
+    target, protocol = site
+    file = write_prompts(tmp_path / "p.jsonl", PROMPTS[1:3])
+    call_command("make_training_data", "--target", "smollm2", "--n", "2", "--prompts", str(file),
+                 "--max-answer-tokens", "24", "--slug", "tiny-chat")
+    data = TrainingDataset.objects.get(slug="tiny-chat")
+    assert (data.version, data.n, data.target) == (1, 2, target)
+    local = Path(settings_media(data.path))
+    assert local.is_file() and len(read_dataset(local)) == 2
+    call_command("train_drafter", "--recipe", "medusa", "--target", "smollm2", "--data", "tiny-chat",
+                 "--protocol", "train-test", "--seed", "7", "--steps", "5", "--no-progress")
+    drafter = Drafter.objects.get(trained_by_recipe="medusa")
+    assert drafter.method == "medusa" and drafter.owner is None
+    assert (drafter.training_data, drafter.training_data_sha256, drafter.training_seed) == (
+        data, data.sha256, 7)
+    assert drafter.training_seconds > 0 and drafter.training_details["steps"] == 5
+    assert sorted(drafter.files.values_list("name", flat=True)) == ["config.json", "model.safetensors"]
+    run = Run.objects.get(drafter=drafter)
+    assert run.state == Run.QUEUED and run.protocol == protocol
+    summary = selectors.drafter_api_summary(drafter)
+    assert summary["training"]["recipe"] == "medusa" and summary["training"]["seed"] == 7
+    assert summary["training"]["data_sha256"] == data.sha256
+    from django.test import Client
+
+    page = Client().get(f"/drafters/{drafter.slug}/").content.decode()
+    assert "trained by recipe <code>medusa</code>" in page and data.sha256[:12] in page
+    # Once registered, the same recipe, data and seed are skipped when asked to.
+    call_command("train_drafter", "--recipe", "medusa", "--target", "smollm2", "--data", "tiny-chat",
+                 "--seed", "7", "--skip-existing")
+    assert "already registered" in capsys.readouterr().out
+    assert Drafter.objects.filter(trained_by_recipe="medusa").count() == 1
+
+
+def settings_media(name):
+    from django.core.files.storage import default_storage
+
+    return default_storage.path(name)

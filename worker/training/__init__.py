@@ -1,0 +1,88 @@
+"""Baseline drafter training (no Django): shared target-generated data (data.py), recipes
+(recipes.py) and one training loop with resumable checkpoints (loop.py).
+
+    train_recipe("eagle", target_dir, dataset_file, target_sha256, out_dir, seed=0)
+
+writes ``out_dir/drafter/`` (config.json + model.safetensors, the format the engines load
+and worker/checkpoint.py accepts), ``out_dir/train-state.pt`` (the checkpoint) and
+``out_dir/training.json`` (recipe, data sha256, seed, settings, loss, seconds).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .loop import ResumeError, TrainReport, TrainSettings, train  # noqa: F401
+from .recipes import DEMO_STEPS, RECIPES, build_recipe, load_target  # noqa: F401
+
+MAX_THREADS = 2  # the machines this runs on are shared
+
+
+def limit_threads():
+    """At most 2 torch threads (SPECBOARD_TRAIN_THREADS for fewer); never more than the
+    process already uses (a caller that chose 1 thread on a busy machine keeps it)."""
+    threads = int(os.environ.get("SPECBOARD_TRAIN_THREADS", MAX_THREADS))
+    torch.set_num_threads(max(1, min(threads, MAX_THREADS, torch.get_num_threads())))
+
+
+def train_recipe(recipe_name, target_dir, dataset_file, target_sha256, out_dir, *, seed=0,
+                 steps=None, batch_size=None, lr=None, options=None, resume=False,
+                 checkpoint_every_s=300.0, progress=True, stop_after_steps=None,
+                 say=print, target=None) -> dict:
+    """Train one recipe and write its drafter folder. Returns the training summary.
+    ``target``: the target already loaded, (Llama, config.json dict), to skip loading it."""
+    from .data import load_training_data
+
+    limit_threads()
+    if recipe_name not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe_name!r}; known: {', '.join(sorted(RECIPES))}")
+    cls = RECIPES[recipe_name]
+    options = {k: v for k, v in (options or {}).items() if v is not None}
+    torch.manual_seed(seed)  # the head's initial weights
+    target, target_hf = target or load_target(target_dir)
+    recipe = build_recipe(recipe_name, target, target_hf, **options)
+    say(f"[{recipe_name}] target hidden states for the training data ...")
+    data = load_training_data(dataset_file, target, target_sha256)
+    recipe.set_vocabulary(data.vocabulary())
+    settings = TrainSettings(
+        steps=steps or DEMO_STEPS[recipe_name], seed=seed,
+        batch_size=batch_size or cls.defaults.get("batch_size", 4),
+        lr=lr or cls.defaults.get("lr", 1e-3), checkpoint_every_s=checkpoint_every_s)
+    settings.warmup_steps = max(1, settings.steps // 20)
+    say(f"[{recipe_name}] {len(data)} conversations, {data.tokens} tokens "
+        f"({len(recipe.vocab)} distinct); {settings.steps} steps "
+        f"of {settings.batch_size} conversations, lr {settings.lr}, seed {seed}")
+    out_dir = Path(out_dir)
+    report = train(recipe, data, out_dir, settings, resume=resume, progress=progress,
+                   stop_after_steps=stop_after_steps)
+    drafter_dir = out_dir / "drafter"
+    recipe.save(drafter_dir)
+    summary = {**report.to_dict(), "method": recipe.method, "data_sha256": data.sha256,
+               "seed": seed, "settings": settings.__dict__, "options": recipe.describe(),
+               "finished": report.steps >= settings.steps, "drafter_dir": str(drafter_dir)}
+    (out_dir / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def acceptance(target_dir, method, drafter_dir, prompts, k=3, max_new_tokens=64, engine=None):
+    """Acceptance length of a drafter on chat prompts with the reference engine (greedy),
+    and whether every output equals the target's own greedy output."""
+    from worker.engines.reference import ReferenceEngine
+    from worker.proposers import make_proposer
+
+    engine = engine or ReferenceEngine(target_dir)
+    ids = [engine.encode_chat(p) for p in prompts]
+    plain = engine.generate(ids, max_new_tokens=max_new_tokens)
+    spec = engine.generate(ids, proposer=make_proposer(method, str(drafter_dir)), k=k,
+                           max_new_tokens=max_new_tokens)
+    drafts = sum(1 for r in spec for s in r.steps if s.drafted)
+    accepted = sum(s.accepted for r in spec for s in r.steps if s.drafted)
+    al = 1 + accepted / drafts if drafts else None
+    lossless = all(a.output_ids == b.output_ids for a, b in zip(plain, spec))
+    plain_s = sum(r.timings["wall"] for r in plain) / len(plain)
+    spec_s = sum(r.timings["wall"] for r in spec) / len(spec)
+    return {"acceptance_length": al, "lossless": lossless, "drafts": drafts,
+            "plain_seconds": round(plain_s, 2), "speculative_seconds": round(spec_s, 2)}

@@ -1,0 +1,323 @@
+"""Shared training data: conversations written by the target itself, hashed and versioned.
+
+Without a prompt corpus the target writes the user turns: it is given its chat template's
+user prefix (the system turn and ``<|im_start|>user\\n`` for SmolLM2) and samples until it
+closes the turn; it then answers that question (greedy by default, so the data are the
+target's own greedy outputs, which is what a greedy evaluation verifies against). A user
+with prompts passes them as JSON lines instead. Sampling is seeded per sequence, questions
+are deduplicated on their normalised text, and no user turn may be an evaluation prompt:
+``forbidden`` maps normalised-text hashes to a label naming the prompt.
+
+The dataset file is JSON lines, one conversation a line: ``id``, ``source`` (generated /
+file), ``user``, ``assistant``, ``input_ids`` (the chat-template prompt and the answer, as
+the target saw them) and ``prompt_len`` (where the answer starts). Its sha256 is the
+dataset's identity. The target's last hidden states (after the final norm) for every token
+are derived once per target into ``features-<sha>.safetensors`` next to it: every recipe
+trains from them (EAGLE and Medusa read them; distillation takes the target's logits from
+them through the target's lm_head).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SENTINEL = "\u2063SPECBOARD-USER-TURN\u2063"
+
+
+class TrainingDataError(ValueError):
+    """Bad training input; the message says what and where."""
+
+
+def normalise(text: str) -> str:
+    return re.sub(r"\s+", " ", str(text)).strip().lower()
+
+
+def text_sha256(text: str) -> str:
+    """The hash evaluation prompts and training user turns are compared by."""
+    return hashlib.sha256(normalise(text).encode("utf-8")).hexdigest()
+
+
+def file_sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_not_evaluation(texts, forbidden: dict, where: str = "") -> None:
+    """Refuse the first text that is an evaluation prompt, naming both."""
+    for i, text in enumerate(texts):
+        label = forbidden.get(text_sha256(text))
+        if label:
+            short = normalise(text)[:80]
+            raise TrainingDataError(
+                f"{where}prompt {i + 1} (\u201c{short}\u201d) is the evaluation prompt {label}: "
+                "evaluation prompts are never used for training; remove it")
+
+
+def read_prompts_file(path) -> list[str]:
+    """User prompts from JSON lines: each line a JSON string, or an object with ``prompt``,
+    ``text``, ``question`` or ``turns`` (the first turn, as in Spec-Bench files)."""
+    path = Path(path)
+    if not path.is_file():
+        raise TrainingDataError(f"{path}: no such file")
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except ValueError as e:
+                raise TrainingDataError(f"{path}, line {number}: not JSON ({e})") from None
+            if isinstance(value, dict):
+                for key in ("prompt", "text", "question"):
+                    if isinstance(value.get(key), str):
+                        value = value[key]
+                        break
+                else:
+                    turns = value.get("turns")
+                    if isinstance(turns, list) and turns and isinstance(turns[0], str):
+                        value = turns[0]
+            if not isinstance(value, str) or not value.strip():
+                raise TrainingDataError(f"{path}, line {number}: expected a non-empty string or an "
+                                        "object with a prompt, text, question or turns field")
+            out.append(value)
+    if not out:
+        raise TrainingDataError(f"{path}: no prompts")
+    return out
+
+
+def user_prefix_ids(tokenizer) -> list[int]:
+    """Token ids of the chat template up to where a user's text starts."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False)
+    if SENTINEL not in text:
+        raise TrainingDataError("the target's chat template does not show the user's text")
+    return tokenizer.encode(text.split(SENTINEL)[0], add_special_tokens=False)
+
+
+@dataclass
+class GenerationSettings:
+    n: int
+    seed: int = 0
+    max_question_tokens: int = 48
+    max_answer_tokens: int = 192
+    question_temperature: float = 1.0
+    answer_temperature: float = 0.0
+    batch_size: int = 16
+
+    def to_dict(self):
+        return dict(self.__dict__)
+
+
+def generate_conversations(engine, settings: GenerationSettings, prompts=None, forbidden=None,
+                           progress=None) -> tuple[list[dict], dict]:
+    """Conversations of the target (a ReferenceEngine): its own questions, or ``prompts``,
+    each answered by it. Returns (records, stats)."""
+    forbidden = forbidden or {}
+    if engine.tokenizer is None:
+        raise TrainingDataError(f"{engine.path} has no tokenizer: the target writes text")
+    stats = {"questions_sampled": 0, "duplicates": 0, "unfinished": 0, "evaluation_prompts": 0}
+    started = time.monotonic()
+    if prompts is None:
+        questions = _sample_questions(engine, settings, forbidden, stats, progress)
+        source = "generated"
+    else:
+        check_not_evaluation(prompts, forbidden)
+        questions, seen = [], set()
+        for text in prompts:
+            key = text_sha256(text)
+            if key in seen:
+                stats["duplicates"] += 1
+                continue
+            seen.add(key)
+            questions.append(text)
+        questions = questions[:settings.n]
+        source = "file"
+    records = []
+    bs = settings.batch_size
+    for start in range(0, len(questions), bs):
+        batch = questions[start:start + bs]
+        ids = [engine.encode_chat(q) for q in batch]
+        results = engine.generate(ids, max_new_tokens=settings.max_answer_tokens,
+                                  temperature=settings.answer_temperature,
+                                  seed=settings.seed * 1_000_003 + 500_000 + start)
+        for q, prompt_ids, r in zip(batch, ids, results):
+            records.append({"id": len(records), "source": source, "user": q,
+                            "assistant": engine.decode(r.output_ids),
+                            "input_ids": prompt_ids + r.output_ids, "prompt_len": len(prompt_ids),
+                            "finish_reason": r.finish_reason})
+        if progress:
+            progress(("answers", len(records), len(questions)))
+    stats["seconds"] = round(time.monotonic() - started, 1)
+    stats["tokens"] = sum(len(r["input_ids"]) for r in records)
+    stats["answer_tokens"] = sum(len(r["input_ids"]) - r["prompt_len"] for r in records)
+    return records, stats
+
+
+def _sample_questions(engine, settings, forbidden, stats, progress) -> list[str]:
+    prefix = user_prefix_ids(engine.tokenizer)
+    questions, seen = [], set()
+    batch, attempt = settings.batch_size, 0
+    max_attempts = 20 * settings.n + 4 * batch  # a target that cannot write questions stops here
+    while len(questions) < settings.n:
+        if attempt >= max_attempts:
+            raise TrainingDataError(
+                f"the target wrote only {len(questions)} distinct finished questions in "
+                f"{attempt} attempts (duplicates {stats['duplicates']}, unfinished "
+                f"{stats['unfinished']}); ask for fewer (--n) or pass --prompts FILE")
+        # Sequence i samples from seed + i, so attempt numbers give reproducible questions.
+        results = engine.generate([prefix] * batch, max_new_tokens=settings.max_question_tokens,
+                                  temperature=settings.question_temperature,
+                                  seed=settings.seed * 1_000_003 + attempt)
+        attempt += batch
+        for r in results:
+            stats["questions_sampled"] += 1
+            text = r.text.strip()
+            if r.finish_reason != "eos" or len(text) < 8:
+                stats["unfinished"] += 1
+                continue
+            key = text_sha256(text)
+            if key in forbidden:  # never train on an evaluation prompt, even one it wrote
+                stats["evaluation_prompts"] += 1
+                continue
+            if key in seen:
+                stats["duplicates"] += 1
+                continue
+            seen.add(key)
+            questions.append(text)
+            if len(questions) == settings.n:
+                break
+        if progress:
+            progress(("questions", len(questions), settings.n))
+    return questions
+
+
+def write_dataset(records, path) -> str:
+    """Write the JSON-lines file; returns its sha256."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".part")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n")
+    tmp.rename(path)
+    return file_sha256(path)
+
+
+def read_dataset(path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise TrainingDataError(f"{path}: the training data file is missing")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                r = json.loads(line)
+                ids, prompt_len = r["input_ids"], r["prompt_len"]
+            except (ValueError, KeyError, TypeError):
+                raise TrainingDataError(f"{path}, line {number}: not a training record "
+                                        "(input_ids and prompt_len)") from None
+            if not (isinstance(ids, list) and 0 < prompt_len < len(ids)):
+                raise TrainingDataError(f"{path}, line {number}: needs a prompt and an answer")
+            records.append(r)
+    if not records:
+        raise TrainingDataError(f"{path}: no conversations")
+    return records
+
+
+@dataclass
+class TrainingData:
+    """Token ids and the target's hidden states of every conversation, in memory."""
+
+    sha256: str
+    ids: list[torch.Tensor]       # [T] long, per conversation
+    prompt_lens: list[int]
+    hidden: torch.Tensor          # [all tokens, hidden] (bfloat16 on disk and here)
+    offsets: list[int]            # conversation i is hidden[offsets[i]:offsets[i+1]]
+    user_texts: list[str]
+
+    def __len__(self):
+        return len(self.ids)
+
+    @property
+    def tokens(self):
+        return self.offsets[-1]
+
+    def vocabulary(self) -> torch.Tensor:
+        """The token ids that occur in the data, sorted."""
+        return torch.unique(torch.cat(self.ids))
+
+    def batch(self, indices):
+        """Right-padded ids [B, T], hidden [B, T, H] float32, lengths and prompt lengths."""
+        lengths = [len(self.ids[i]) for i in indices]
+        width = max(lengths)
+        ids = torch.zeros(len(indices), width, dtype=torch.long)
+        hidden = torch.zeros(len(indices), width, self.hidden.shape[1])
+        for row, i in enumerate(indices):
+            ids[row, :lengths[row]] = self.ids[i]
+            hidden[row, :lengths[row]] = self.hidden[self.offsets[i]:self.offsets[i + 1]].float()
+        return {"ids": ids, "hidden": hidden, "lengths": torch.tensor(lengths),
+                "prompt_lens": torch.tensor([self.prompt_lens[i] for i in indices])}
+
+
+def features_path(dataset_path: Path, target_sha256: str) -> Path:
+    return Path(dataset_path).with_name(f"features-{target_sha256[:16]}.safetensors")
+
+
+def load_training_data(dataset_path, target_model, target_sha256: str, batch_size: int = 8,
+                       progress=None) -> TrainingData:
+    """The dataset with the target's hidden states, computed once and cached next to it."""
+    from safetensors.torch import load_file, save_file
+
+    dataset_path = Path(dataset_path)
+    sha = file_sha256(dataset_path)
+    records = read_dataset(dataset_path)
+    ids = [torch.tensor(r["input_ids"], dtype=torch.long) for r in records]
+    cache = features_path(dataset_path, target_sha256)
+    hidden = None
+    if cache.is_file():
+        stored = load_file(str(cache))
+        meta_ok = stored.get("dataset_sha256") is not None and bytes(
+            stored["dataset_sha256"].tolist()).decode() == sha
+        if meta_ok and stored["hidden"].shape[0] == sum(len(t) for t in ids):
+            hidden = stored["hidden"]
+    if hidden is None:
+        hidden = compute_hidden_states(target_model, ids, batch_size, progress)
+        tmp = cache.with_suffix(".part")
+        save_file({"hidden": hidden.contiguous(),
+                   "dataset_sha256": torch.tensor(list(sha.encode()), dtype=torch.uint8)}, str(tmp))
+        tmp.rename(cache)
+    offsets = [0]
+    for t in ids:
+        offsets.append(offsets[-1] + len(t))
+    return TrainingData(sha, ids, [r["prompt_len"] for r in records], hidden, offsets,
+                        [r.get("user", "") for r in records])
+
+
+@torch.no_grad()
+def compute_hidden_states(model, ids, batch_size=8, progress=None) -> torch.Tensor:
+    """The target's last hidden states (after the final norm) for every token, bfloat16."""
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # similar lengths pad less
+    out = [None] * len(ids)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        width = max(len(ids[i]) for i in chunk)
+        batch = torch.zeros(len(chunk), width, dtype=torch.long)
+        for row, i in enumerate(chunk):
+            batch[row, :len(ids[i])] = ids[i]
+        cache = model.new_cache(len(chunk), width)
+        _, hidden = model(batch, cache, logits_at=torch.zeros(len(chunk), 1, dtype=torch.long),
+                          return_hidden=True)
+        for row, i in enumerate(chunk):
+            out[i] = hidden[row, :len(ids[i])].to(torch.bfloat16)
+        if progress:
+            progress(("features", min(start + batch_size, len(order)), len(order)))
+    return torch.cat(out)

@@ -1,0 +1,276 @@
+"""Baseline drafter recipes. Each trains on the same shared data (the target's own
+conversations and its hidden states, worker/training/data.py) and writes a folder the
+engines load (config.json + model.safetensors) that passes worker/checkpoint.py.
+
+- ``draft_model``: a small Llama made of the target's embeddings, first ``layers`` decoder
+  layers, final norm and lm_head (tied as in the target), distilled on the target's
+  next-token distributions (KL(target || draft)) over the answers. Embeddings and lm_head
+  stay frozen (they are the target's and cost most of the compute).
+- ``eagle``: a one-layer EAGLE-1 head (worker/heads.py) trained as in EAGLE-1: from the
+  target's hidden state h[p] and token t[p+1] predict h[p+1]: smooth-L1 on the feature
+  plus 0.1 x cross-entropy of its token distribution (through the target's lm_head)
+  against the target's.
+- ``eagle_multistep``: the same head, data and loss, with only the objective changed: the
+  head is also unrolled ``unroll`` - 1 more steps on its own predicted features, with the
+  attention of step s seeing real features up to p - s and its own predictions after, as
+  drafting does (HASS-style training-time test). Costs about ``unroll`` times as much.
+- ``medusa``: Medusa heads (ResBlocks sharing the target's lm_head, zero-initialised so
+  they start as the target's own head); head i learns t[p+2+i] from h[p] by
+  cross-entropy, weighted 0.8^i as in Medusa-1.
+
+Loss positions are the answer's tokens; the prompt is context only. Every softmax runs
+over the training data's vocabulary (the tokens that occur in it, a few thousand of the
+target's 49152): the labels are all in it, and the lm_head products, which dominate the
+cost on a CPU, shrink by an order of magnitude. The saved drafters keep the full vocabulary.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.engines.reference import Llama, LlamaConfig
+from worker.heads import EagleHead, MedusaHeads, layer_train, rope
+
+SAVE_DTYPE = torch.bfloat16  # as the demo target is stored; engines upcast
+
+
+def _answer_mask(batch, width, offset):
+    """[B, width] True where position p predicts token p + offset inside the answer."""
+    p = torch.arange(width)[None, :]
+    target = p + offset
+    return (target >= batch["prompt_lens"][:, None]) & (target < batch["lengths"][:, None])
+
+
+def _soft_cross_entropy(logits, target_logits):
+    """Cross-entropy of logits against the target's distribution (KL up to a constant)."""
+    return -(torch.softmax(target_logits, -1) * torch.log_softmax(logits, -1)).sum(-1).mean()
+
+
+class Recipe:
+    name = ""
+    method = ""
+    defaults: dict = {}
+
+    def __init__(self, target: Llama, target_hf: dict):
+        self.target, self.target_hf = target, target_hf
+        for p in target.parameters():
+            p.requires_grad_(False)
+
+    vocab = None   # token ids of the training data's vocabulary (set_vocabulary)
+    remap = None   # full id -> index in vocab
+
+    def set_vocabulary(self, vocab_ids: torch.Tensor):
+        self.vocab = vocab_ids
+        self.remap = torch.full((self.target.config.vocab_size,), -1, dtype=torch.long)
+        self.remap[vocab_ids] = torch.arange(len(vocab_ids))
+
+    def logits(self, x, lm_head_weight):
+        """Logits over the data's vocabulary (all of it when none is set)."""
+        w = lm_head_weight if self.vocab is None else lm_head_weight[self.vocab]
+        return F.linear(x, w)
+
+    def labels(self, ids):
+        return ids if self.remap is None else self.remap[ids]
+
+    def target_logits(self, hidden):
+        return self.logits(hidden, self.target.lm_head.weight)
+
+    def describe(self) -> dict:
+        return {}
+
+
+class DraftModelRecipe(Recipe):
+    name = method = "draft_model"
+    defaults = {"layers": 4, "lr": 5e-4, "batch_size": 4}
+
+    def __init__(self, target, target_hf, layers: int = 4):
+        super().__init__(target, target_hf)
+        if not 1 <= layers < target.config.num_layers:
+            raise ValueError(f"layers must be in 1..{target.config.num_layers - 1}, got {layers}")
+        self.layers = layers
+        cfg = LlamaConfig.from_hf({**target_hf, "num_hidden_layers": layers})
+        self.module = Llama(cfg)
+        state = {k: v for k, v in target.state_dict().items()
+                 if not k.startswith("layers.") or int(k.split(".")[1]) < layers}
+        self.module.load_state_dict(state, strict=True)
+        if cfg.tie_word_embeddings:
+            self.module.lm_head.weight = self.module.embed_tokens.weight
+        self.module.embed_tokens.weight.requires_grad_(False)
+        self.module.lm_head.weight.requires_grad_(False)
+
+    def loss(self, batch):
+        ids, hidden = batch["ids"], batch["hidden"]
+        m = self.module
+        positions = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
+        cos, sin = rope(m.inv_freq, positions, torch.float32)
+        x = m.embed_tokens(ids)
+        for layer in m.layers:
+            x, _ = layer_train(layer, x, cos, sin)
+        mask = _answer_mask(batch, ids.shape[1], 1)  # position p predicts t[p + 1]
+        logits = self.logits(m.norm(x[mask]), m.lm_head.weight)
+        with torch.no_grad():
+            target = self.target_logits(hidden[mask])
+        loss = _soft_cross_entropy(logits, target)
+        agree = (logits.argmax(-1) == target.argmax(-1)).float().mean()
+        return loss, {"top1": float(agree)}
+
+    def save(self, out_dir: Path):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        from safetensors.torch import save_file
+
+        config = {**self.target_hf, "num_hidden_layers": self.layers,
+                  "torch_dtype": str(SAVE_DTYPE).removeprefix("torch.")}
+        config.pop("dtype", None)
+        (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        weights = {f"model.{k}": v for k, v in self.module.state_dict().items()
+                   if not k.startswith("lm_head.")}
+        if not self.module.config.tie_word_embeddings:
+            weights["lm_head.weight"] = self.module.lm_head.weight
+        save_file({k: v.detach().to(SAVE_DTYPE).contiguous() for k, v in weights.items()},
+                  str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+    def describe(self):
+        return {"layers": self.layers}
+
+
+class EagleRecipe(Recipe):
+    name = method = "eagle"
+    defaults = {"lr": 1e-3, "batch_size": 4, "unroll": 1}
+    cls_weight = 0.1  # EAGLE-1's weight of the token loss next to the feature regression
+
+    def __init__(self, target, target_hf, unroll: int = 1):
+        super().__init__(target, target_hf)
+        if not 1 <= unroll <= 8:
+            raise ValueError(f"unroll must be in 1..8, got {unroll}")
+        self.unroll = unroll
+        self.module = EagleHead(LlamaConfig.from_hf({**target_hf, "num_hidden_layers": 1}))
+        # Small output projections: the head starts close to passing its fused input on.
+        for layer in self.module.layers:
+            nn.init.normal_(layer.self_attn.o_proj.weight, std=0.02 / (2 * len(self.module.layers)) ** 0.5)
+            nn.init.normal_(layer.mlp.down_proj.weight, std=0.02 / (2 * len(self.module.layers)) ** 0.5)
+
+    def loss(self, batch):
+        ids, hidden = batch["ids"], batch["hidden"]
+        b, t = ids.shape
+        width = t - 1  # head position p reads t[p + 1] and h[p], predicts h[p + 1]
+        embeds = self.target.embed_tokens(ids[:, 1:])
+        feats, goal = hidden[:, :-1], hidden[:, 1:]
+        positions = torch.arange(width)[None].expand(b, -1)
+        valid = _answer_mask(batch, width, 2)  # h[p + 1] predicts t[p + 2], an answer token
+        total, first_reg, cls_acc = 0.0, None, None
+        past = [[] for _ in self.module.layers]
+        out = None
+        for s in range(self.unroll):
+            if s == 0:
+                inputs, mask = feats, None
+            else:  # fed its own prediction of h[p] (made at p - 1) instead of the target's
+                inputs = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], dim=1)
+                mask = _unrolled_mask(width, s)
+            out, kvs = self.module.train_forward(embeds, inputs, positions, mask, past)
+            for layer_past, kv in zip(past, kvs):
+                layer_past.append(kv)
+            step_valid = valid & (torch.arange(width)[None] >= s)
+            pred, real = out[step_valid], goal[step_valid]
+            reg = F.smooth_l1_loss(pred, real)
+            with torch.no_grad():
+                target_logits = self.target_logits(real)
+            logits = self.logits(pred, self.target.lm_head.weight)
+            cls = _soft_cross_entropy(logits, target_logits)
+            total = total + reg + self.cls_weight * cls
+            if s == 0:
+                first_reg = float(reg.detach())
+                cls_acc = float((logits.argmax(-1) == target_logits.argmax(-1)).float().mean())
+        return total / self.unroll, {"reg": first_reg, "top1": cls_acc}
+
+    def save(self, out_dir: Path):
+        self.module.save(out_dir, self.target_hf, SAVE_DTYPE)
+
+    def describe(self):
+        return {"unroll": self.unroll}
+
+
+class EagleMultistepRecipe(EagleRecipe):
+    name = "eagle_multistep"
+    method = "eagle"
+    defaults = {"lr": 1e-3, "batch_size": 4, "unroll": 3}
+
+    def __init__(self, target, target_hf, unroll: int = 3):
+        if unroll < 2:
+            raise ValueError("eagle_multistep unrolls at least 2 steps (use the eagle recipe for 1)")
+        super().__init__(target, target_hf, unroll=unroll)
+
+
+def _unrolled_mask(width: int, s: int) -> torch.Tensor:
+    """Visibility [width, (s + 1) * width] for step s over the keys of steps 0..s: the query
+    at p sees step-0 (real) keys at q <= p - s and the step-j key at q = p - s + j, which is
+    what the head attends to at its (s + 1)-th draft from a context ending at p - s."""
+    p = torch.arange(width)[:, None]
+    q = torch.arange(width)[None, :]
+    blocks = [q <= p - s] + [q == p - s + j for j in range(1, s + 1)]
+    return torch.cat(blocks, dim=1)
+
+
+class MedusaRecipe(Recipe):
+    name = method = "medusa"
+    defaults = {"lr": 1e-3, "batch_size": 4, "heads": 3, "head_layers": 1}
+    decay = 0.8  # Medusa-1's weight of head i: 0.8^i
+
+    def __init__(self, target, target_hf, heads: int = 3, head_layers: int = 1):
+        super().__init__(target, target_hf)
+        if not 1 <= heads <= 8:
+            raise ValueError(f"heads must be in 1..8, got {heads}")
+        cfg = target.config
+        self.module = MedusaHeads(cfg.hidden_size, cfg.vocab_size, heads, head_layers)
+        self.module.lm_head.weight = nn.Parameter(target.lm_head.weight.detach().clone(),
+                                                  requires_grad=False)
+        for block in self.module.blocks:
+            for layer in block.layers:
+                nn.init.zeros_(layer.weight)
+
+    def loss(self, batch):
+        ids, hidden = batch["ids"], batch["hidden"]
+        t = ids.shape[1]
+        total, weights, top1 = 0.0, 0.0, None
+        for i, block in enumerate(self.module.blocks):
+            mask = _answer_mask(batch, t, 2 + i)  # head i at p proposes t[p + 2 + i]
+            if not mask.any():
+                continue
+            logits = self.logits(block(hidden[mask]), self.module.lm_head.weight)
+            labels = self.labels(ids[:, 2 + i:][mask[:, :t - 2 - i]])
+            ce = F.cross_entropy(logits, labels)
+            total = total + self.decay ** i * ce
+            weights += self.decay ** i
+            if i == 0:
+                top1 = float((logits.argmax(-1) == labels).float().mean())
+        return total / max(weights, 1e-9), {"top1": top1 or 0.0}
+
+    def save(self, out_dir: Path):
+        self.module.save(out_dir, SAVE_DTYPE)
+
+    def describe(self):
+        return {"heads": self.module.num_heads, "head_layers": self.module.num_layers}
+
+
+RECIPES = {r.name: r for r in (DraftModelRecipe, EagleRecipe, EagleMultistepRecipe, MedusaRecipe)}
+
+# Default steps, sized for the demo set (128 conversations, 32 batches a pass; about 20
+# passes for the heads): with the data, all four train in about half an hour on 2 busy
+# cores. eagle_multistep takes eagle's steps so that only the objective differs.
+DEMO_STEPS = {"draft_model": 300, "eagle": 600, "eagle_multistep": 600, "medusa": 600}
+
+
+def build_recipe(name: str, target: Llama, target_hf: dict, **options):
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r}; known: {', '.join(sorted(RECIPES))}")
+    cls = RECIPES[name]
+    return cls(target, target_hf, **options)
+
+
+def load_target(target_dir) -> tuple[Llama, dict]:
+    target_dir = Path(target_dir)
+    hf = json.loads((target_dir / "config.json").read_text())
+    return Llama.from_pretrained(target_dir, torch.float32), hf
