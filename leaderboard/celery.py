@@ -16,7 +16,7 @@ app.autodiscover_tasks(["worker"], related_name="tasks", force=True)
 def ensure_broker_folders():
     """The filesystem broker needs its folders before the first message is sent."""
     options = app.conf.broker_transport_options or {}
-    for key in ("data_folder_in", "data_folder_out", "processed_folder"):
+    for key in ("data_folder_in", "data_folder_out", "processed_folder", "control_folder"):
         if options.get(key):
             os.makedirs(options[key], exist_ok=True)
 

@@ -248,3 +248,114 @@ def compare_charts(data: dict, temperature: float, k: int | None,
                               "batch size", "output tokens / s", xaxis=_batch_axis(batch_sizes)),
     }
     return figs, summary
+
+
+# ---- when does it pay? -------------------------------------------------------------------
+
+PHASE_LABELS = {"prefill": "prefill and waiting (TTFT)", "verification": "verification",
+                "drafting_other": "drafting, rejection sampling, other",
+                "drafting": "drafting", "sampling": "rejection sampling", "other": "other"}
+PHASE_ORDER = ("prefill", "verification", "drafting", "sampling", "drafting_other", "other")
+PHASE_COLORS = {"prefill": "#9ca3af", "verification": "#2563eb", "drafting": "#d97706",
+                "sampling": "#7c3aed", "drafting_other": "#d97706", "other": "#475569"}
+
+
+def _bounds_traces(by_batch, name, i, show_legend=True):
+    xs = [r["batch_size"] for r in by_batch]
+    traces = [
+        _line(f"{name} measured", xs, [r["measured_speedup"] for r in by_batch], i,
+              group=name),
+        _line(f"{name} predicted", xs, [r["predicted_speedup"] for r in by_batch], i,
+              dash="dash", group=name, width=1.5),
+        _line(f"{name} oracle", xs, [r["oracle_speedup"] for r in by_batch], i, dash="dot",
+              group=name, width=1.5),
+    ]
+    for t in traces:
+        t.update(showlegend=show_legend)
+    return traces
+
+
+def _share_bars(labels, shares_list):
+    phases = [p for p in PHASE_ORDER if any(s and s.get(p) is not None for s in shares_list)]
+    return [go.Bar(name=PHASE_LABELS[p], x=labels, marker_color=PHASE_COLORS[p],
+                   y=[(s or {}).get(p) for s in shares_list]) for p in phases]
+
+
+def pays_charts(data: dict) -> dict[str, str]:
+    """The "When does it pay?" page's figures: speedup bounds by batch size (each drafter
+    at its best k), time shares, acceptance against draft cost with the Pareto frontier,
+    and the best speedup per task and batch size."""
+    if not data["curves"]:
+        return {}
+    batch_sizes = data["batch_sizes"]
+    best = {}
+    for c in data["curves"]:
+        slug = c["drafter"]["slug"]
+        if slug not in best or (c["mean_speedup"] or 0) > (best[slug]["mean_speedup"] or 0):
+            best[slug] = c
+    figs, traces = {}, []
+    for i, c in enumerate(best.values()):
+        traces += _bounds_traces(c["by_batch"], f"{c['drafter']['name']} (k={c['k']})", i)
+    cond = f"temperature {data['temperature']:g}, all tasks, each drafter at its best k"
+    figs["bounds"] = _figure(traces, f"Measured (solid), predicted (dashed) and oracle (dotted) "
+                             f"speedup ({cond})", "batch size", "speedup (x baseline)",
+                             xaxis=_batch_axis(batch_sizes), height=420, **_one_line())
+    labels, shares = [], []
+    for c in best.values():
+        for r in c["by_batch"]:
+            if r.get("shares"):
+                labels.append(f"{c['drafter']['name']} k={c['k']} b={r['batch_size']}")
+                shares.append(r["shares"])
+    if shares:
+        figs["breakdown"] = _figure(_share_bars(labels, shares),
+                                    f"Where the time goes ({cond})", "", "share of time",
+                                    barmode="stack", yaxis=dict(range=[0, 1.0001]), height=420)
+    pts = [p for p in data["pareto"] if p["cost"] is not None and p["al"] is not None]
+    if pts:
+        frontier = sorted((p for p in pts if p["frontier"]), key=lambda p: p["cost"])
+        scatter = go.Scatter(
+            x=[p["cost"] for p in pts], y=[p["al"] for p in pts], mode="markers+text",
+            text=[f"{p['drafter']['name']} k={p['k']}" for p in pts], textposition="top center",
+            marker=dict(size=10, color=["#dc2626" if p["frontier"] else "#6b7280" for p in pts]),
+            name="(drafter, k)")
+        line = go.Scatter(x=[p["cost"] for p in frontier], y=[p["al"] for p in frontier],
+                          mode="lines", line=dict(color="#dc2626", dash="dash"),
+                          name="Pareto frontier")
+        figs["pareto"] = _figure([scatter, line], f"Acceptance length against draft cost "
+                                 f"(temperature {data['temperature']:g}, all tasks and batch sizes)",
+                                 "draft cost per step / target forward t_fwd(b)",
+                                 "AL = 1 + accepted / drafts")
+    z, text = [], []
+    for row in data["matrix"]:
+        z.append([c["best_drafter_speedup"] if c else None for c in row["cells"]])
+        text.append([("baseline" if c and c["drafter"] is None else
+                      f"{c['drafter']['name']} k={c['k']}" if c else "")
+                     for c in row["cells"]])
+    figs["matrix"] = _figure([go.Heatmap(
+        z=z, x=[str(b) for b in batch_sizes], y=data["tasks"], text=text,
+        texttemplate="%{text}<br>%{z:.2f}x", colorscale="RdBu", zmid=1.0,
+        colorbar=dict(title=dict(text="best speedup")))],
+        f"Best drafter per task and batch size (temperature {data['temperature']:g})",
+        "batch size", "task", xaxis=dict(type="category"))
+    return figs
+
+
+def drafter_pays_charts(pays: dict, k: int, temperature: float) -> dict[str, str]:
+    """The drafter page's "When does it pay?" figures for one k and temperature."""
+    curve = next((c for c in pays["curves"] if c["k"] == k and c["temperature"] == temperature),
+                 None)
+    if curve is None or not any(r["predicted_speedup"] for r in curve["by_batch"]):
+        return {}
+    cond = f"k = {k}, temperature {temperature:g}, all tasks"
+    figs = {"pays_bounds": _figure(
+        _bounds_traces(curve["by_batch"], "speedup", 0),
+        f"Measured, predicted and oracle speedup ({cond})", "batch size",
+        "speedup (x baseline)", xaxis=_batch_axis([r["batch_size"] for r in curve["by_batch"]]),
+        **_one_line())}
+    rows = [r for r in curve["by_batch"] if r.get("shares")]
+    if rows:
+        figs["pays_breakdown"] = _figure(
+            _share_bars([f"b={r['batch_size']}" for r in rows], [r["shares"] for r in rows]),
+            f"Where the time goes ({cond})", "batch size", "share of time", barmode="stack",
+            yaxis=dict(range=[0, 1.0001]))
+    return figs

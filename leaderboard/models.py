@@ -149,6 +149,14 @@ class Drafter(models.Model):
     claimed_source = models.URLField(blank=True)
     review_state = models.CharField(max_length=20, choices=REVIEW_STATES, default="approved")
     trained_by_recipe = models.CharField(max_length=50, blank=True)
+    # A baseline drafter trained here (leaderboard/training.py): on which data, seed, time.
+    training_data = models.ForeignKey("TrainingDataset", null=True, blank=True,
+                                      on_delete=models.SET_NULL, related_name="drafters")
+    training_data_sha256 = models.CharField(max_length=64, blank=True)
+    training_seed = models.IntegerField(null=True, blank=True)
+    training_seconds = models.FloatField(null=True, blank=True)
+    training_details = models.JSONField(default=dict, blank=True,
+                                        help_text="steps, settings, first and final loss")
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -156,6 +164,31 @@ class Drafter(models.Model):
 
     def __str__(self):
         return self.name
+
+
+class TrainingDataset(models.Model):
+    """Conversations written by a target, shared by every training recipe; versioned and
+    hashed like a prompt set. ``path`` is the JSON-lines file's name in the storage."""
+
+    slug = models.SlugField()
+    version = models.PositiveIntegerField(default=1)
+    target = models.ForeignKey(Target, on_delete=models.PROTECT, related_name="training_datasets")
+    sha256 = models.CharField(max_length=64, db_index=True)
+    n = models.PositiveIntegerField(help_text="conversations")
+    tokens = models.PositiveIntegerField(default=0)
+    source = models.CharField(max_length=300, help_text="generated, or the prompts file's name")
+    params = models.JSONField(default=dict, blank=True, help_text="generation settings, stats")
+    path = models.CharField(max_length=500, help_text="file name in the storage")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["slug", "-version"]
+        constraints = [
+            models.UniqueConstraint(fields=["slug", "version"], name="unique_training_dataset_version"),
+        ]
+
+    def __str__(self):
+        return f"{self.slug} v{self.version}"
 
 
 class DrafterFile(models.Model):
@@ -251,6 +284,17 @@ class Result(models.Model):
                                         related_name="+", help_text="the cell speedup divides by")
     lossless_share = models.FloatField(null=True, blank=True)
     measured_at = models.DateTimeField(default=timezone.now)
+    # "When does it pay?" (worker.analysis) from the run's raw records and its baseline's
+    # cost model, written once the run and its baseline have succeeded (runs.record_analysis)
+    # so that pages and the export read them like any other figure.
+    tokens_per_step = models.FloatField(null=True, blank=True)
+    predicted_speedup = models.FloatField(null=True, blank=True)
+    engine_efficiency = models.FloatField(null=True, blank=True)
+    oracle_speedup = models.FloatField(null=True, blank=True)
+    no_waste_speedup = models.FloatField(null=True, blank=True)
+    prefill_share = models.FloatField(null=True, blank=True)
+    verification_share = models.FloatField(null=True, blank=True)
+    drafting_other_share = models.FloatField(null=True, blank=True)
 
     class Meta:
         ordering = ["run", "task", "batch_size", "temperature", "k"]

@@ -292,19 +292,52 @@ def finish(run: Run, state: str, error: str = "", tail: str = ""):
         fields["artifact"] = _assemble_artifact(run)
         fields["cells_done"] = Result.objects.filter(run=run).count()
     changed = Run.objects.filter(pk=run.pk, state=Run.RUNNING).update(**fields)
-    if changed and state == Run.SUCCEEDED and run.is_baseline:
-        backfill_speedups(run)
+    if changed and state == Run.SUCCEEDED:
+        if run.is_baseline:
+            backfill_speedups(run)
+        else:
+            record_analysis(run)
     return bool(changed)
 
 
 def backfill_speedups(baseline: Run):
-    """Drafter cells measured before their baseline get their speedup and lossless share."""
+    """Drafter cells measured before their baseline get their speedup and lossless share,
+    and their succeeded runs their analysis."""
     pending = Result.objects.filter(
         run__protocol_id=baseline.protocol_id, run__hardware=baseline.hardware,
         run__engine_version=baseline.engine_version, run__drafter__isnull=False,
         baseline_result__isnull=True).select_related("run")
+    runs = {}
     for result in pending:
-        compare_with_baseline(result)
+        if compare_with_baseline(result) and result.run.state == Run.SUCCEEDED:
+            runs[result.run_id] = result.run
+    for drafter_run in runs.values():
+        record_analysis(drafter_run)
+
+
+def record_analysis(run: Run) -> int:
+    """Store the "When does it pay?" figures (selectors.ANALYSIS_COLUMNS, worker.analysis)
+    on the cells of a succeeded drafter run whose baseline has succeeded. Returns the
+    number of cells updated (0 when there is no baseline yet or no raw records)."""
+    from . import selectors
+
+    results = list(Result.objects.filter(run=run).order_by("task", "batch_size",
+                                                            "temperature", "k"))
+    base_ids = {r.baseline_result_id for r in results if r.baseline_result_id}
+    base = (Run.objects.filter(results__id__in=base_ids, state=Run.SUCCEEDED)
+            .order_by("-queued_at").first() if base_ids else None)
+    if run.drafter_id is None or base is None:
+        return 0
+    cells = [selectors.cell_dict(r) for r in results]
+    base_cells = [selectors.cell_dict(r) for r in base.results.all()]
+    key = (run.pk, str(run.queued_at), base.pk, str(base.queued_at))
+    rows = selectors.run_analysis(run.pk, cells, base.pk, base_cells, run.drafter.method, key)
+    for result, row in zip(results, rows):
+        for column, value in zip(selectors.ANALYSIS_COLUMNS,
+                                 selectors.analysis_export_values(row)):
+            setattr(result, column, value)
+    Result.objects.bulk_update(results, list(selectors.ANALYSIS_COLUMNS))
+    return len(results)
 
 
 def run_log_path(run: Run) -> Path:

@@ -114,6 +114,8 @@ if CELERY_BROKER_URL.startswith("filesystem://"):
         data_folder_in=str(BROKER_DIR / "queue"),
         data_folder_out=str(BROKER_DIR / "queue"),
         processed_folder=str(BROKER_DIR / "processed"),
+        # kombu keeps its exchange tables here; by default "control" in the working folder.
+        control_folder=str(BROKER_DIR / "control"),
         store_processed=False,
     )
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True

@@ -19,6 +19,7 @@ urlpatterns = [
     path("compare/", views.compare, name="compare"),
     path("protocols/", views.protocol_list, name="protocols"),
     path("protocols/<slug:slug>/v<int:version>/", views.protocol_detail, name="protocol"),
+    path("protocols/<slug:slug>/v<int:version>/pays/", views.protocol_pays, name="protocol_pays"),
     path("accounts/signup/", views.signup, name="signup"),
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),

@@ -181,8 +181,11 @@ def drafter_detail(request, slug):
                 [c for c in full["baseline_cells"] if c["temperature"] == temperature],
                 protocol["ks"])
             figs = charts.drafter_charts(full, k, temperature)
+        pays = selectors.drafter_analysis(full) if full["cells"] else None
+        if pays and figs:
+            figs.update(charts.drafter_pays_charts(pays, k, temperature))
         html = render_to_string("leaderboard/_drafter_results.html", {
-            "page": full, "figs": figs, "k": k, "temperature": temperature})
+            "page": full, "figs": figs, "k": k, "temperature": temperature, "pays": pays})
         return {"html": html, "meta_has_charts": bool(figs), "page": full}
 
     if overview["_run"] is None:
@@ -353,7 +356,43 @@ def protocol_detail(request, slug, version):
     if protocol is None:
         raise Http404("no such protocol")
     return render(request, "leaderboard/protocol_detail.html",
-                  {"p": selectors.protocol_detail(protocol)})
+                  {"p": selectors.protocol_detail(protocol),
+                   "pays_definitions": selectors.analysis.definitions()})
+
+
+@require_GET
+def protocol_pays(request, slug, version):
+    """When does it pay? The analyses of worker.analysis over the protocol's newest
+    succeeded runs, and the recommender form (task weights w_<task>, batch_size)."""
+    protocol = selectors.get_protocol(f"{slug}@{version}")
+    if protocol is None:
+        raise Http404("no such protocol")
+    spec = protocol.spec
+    temps = [float(t) for t in spec["temperatures"]]
+    temperature = _float(request.GET.get("temperature"), temps)
+    data = selectors.protocol_pays(protocol, temperature)
+    tasks = data["tasks"]
+    weights, rec, rec_error = {}, None, None
+    for t in tasks:
+        raw = request.GET.get(f"w_{t}")
+        weights[t] = raw if raw is not None else "1"
+    b_param = _int(request.GET.get("batch_size"))
+    if b_param is not None or any(f"w_{t}" in request.GET for t in tasks):
+        try:
+            mix = selectors.parse_mix(",".join(f"{t}:{w}" for t, w in weights.items()
+                                               if str(w).strip() != ""), tasks)
+            if b_param is None or b_param < 1:
+                raise ValueError("the batch size must be a whole number >= 1")
+            rec = selectors.recommendation(protocol, mix, b_param, data["temperature"])
+        except ValueError as e:
+            rec_error = str(e)
+    figs = charts.pays_charts(data)
+    return render(request, "leaderboard/pays.html", {
+        "data": data, "p": data["protocol"], "figs": figs, "has_charts": bool(figs),
+        "weights": [(t, weights[t]) for t in tasks], "batch_size": b_param,
+        "rec": rec, "rec_error": rec_error, "temperatures": temps,
+        "api_analysis": reverse("api:protocol_analysis", args=[slug, version]),
+    })
 
 
 # ---- accounts ----------------------------------------------------------------------------

@@ -615,8 +615,16 @@ def real_values(board, artifact_run):
         case.body.update(protocol="pages@1", method="ngram", prompt_lookup_min=1,
                          prompt_lookup_max=1 + len(case.body.get("name", "")) % 16)
 
+    def recommend_pages(case):  # the existing protocol and a valid mix; generated b, T
+        query = case.query or {}
+        case.query = {"protocol": "pages@1", "mix": "chat:1,code:2",
+                      **{k: query[k] for k in ("batch_size",) if k in query}}
+        case.query.setdefault("batch_size", 1)
+
     return {
         "GET /api/protocols/{slug}/{version}": path(slug="pages", version=1),
+        "GET /api/protocols/{slug}/{version}/analysis": path(slug="pages", version=1),
+        "GET /api/recommend": recommend_pages,
         "GET /api/drafters/{slug}": path(slug=board["eagle"].slug),
         "GET /api/runs/{run_id}": path(run_id=board["queued"].pk),
         "GET /api/runs/{run_id}/artifact": path(run_id=artifact_run.pk),

@@ -84,6 +84,12 @@ def test_baseline_and_ngram_measured_through_celery(demo_target_dir, shared_data
         assert result.drafts > 0 and result.acceptance_length >= 1.0
         # Greedy n-gram speculation is lossless against the baseline.
         assert result.lossless_share == 1.0
+        # The worker stored the "When does it pay?" figures from the raw records; the
+        # oracle drafter (every step accepts k tokens, no draft cost) bounds the prediction.
+        assert result.tokens_per_step >= 1.0 and result.predicted_speedup > 0
+        assert result.oracle_speedup >= result.predicted_speedup
+        assert result.engine_efficiency == pytest.approx(
+            result.speedup / result.predicted_speedup)
 
     # The same task delivered twice more: no-ops, the rows stay as they are.
     before = list(Result.objects.filter(run=run).values_list("pk", "measured_at"))

@@ -1,0 +1,542 @@
+"""When does acceptance pay (worker/analysis.py, the "When does it pay?" page, the drafter
+page's section, GET /api/protocols/{slug}/{version}/analysis, GET /api/recommend and the
+export's analysis columns).
+
+The records are synthetic with known answers: the target's forward time is
+t_fwd(n) = C0 + C1 * n, the baseline's requests take TTFT + (m) x t_fwd(b) for m decode
+tokens, a drafter's take TTFT + steps x (t_fwd(b(k+1)) + its draft cost), and the cells'
+figures are computed from those records by worker.measure.cell_figures, as a worker does.
+"""
+import csv
+import io
+import json
+import re
+
+import pytest
+from django.urls import reverse
+
+from worker import analysis, metrics
+from worker.measure import cell_figures, counts_from_steps
+
+# Every test may use the database (the pure ones do not); the browser test is transactional.
+pytestmark = pytest.mark.django_db
+
+C0, C1 = 0.010, 0.001
+TTFT = 0.002
+K = 3
+
+
+def t_fwd(n):
+    return C0 + C1 * n
+
+
+# Two prompts; the outputs are the same for every drafter (temperature 0, lossless).
+OUTPUTS = {"p1": list(range(100, 109)), "p2": list(range(200, 207))}   # 9 and 7 tokens
+# Step patterns (tokens per engine step, the prefill's first; accepted per verification step)
+GOOD = {"p1": ([1, 4, 2, 1, 1], [3, 1, 0]), "p2": ([1, 3, 3], [2, 2])}   # 14 tokens, 6 steps
+LATE = {"p1": ([1, 1, 1, 1, 1, 4], [0, 0, 0, 0, 3]), "p2": ([1, 3, 3], [2, 2])}  # 7 steps
+
+
+def baseline_record(task, pid, b):
+    out = OUTPUTS[pid]
+    latency = TTFT + (len(out) - 1) * t_fwd(b)
+    return {"prompt_id": pid, "task": task, "batch_size": b, "temperature": 0.0, "k": 0,
+            "repetition": 0, "seed": None, "output_token_ids": out, "prompt_tokens": 5,
+            "ttft": TTFT, "latency": latency, "finish_reason": "stop",
+            "tpot": metrics.tpot(latency, TTFT, len(out))}
+
+
+def spec_record(task, pid, b, pattern, draft_cost, k=K):
+    out = OUTPUTS[pid]
+    step_tokens, accepted = pattern[pid]
+    assert sum(step_tokens) == len(out)
+    steps = len(step_tokens) - 1
+    latency = TTFT + steps * (t_fwd(b * (k + 1)) + draft_cost)
+    counts = counts_from_steps(accepted, [k] * len(accepted), k)
+    return {"prompt_id": pid, "task": task, "batch_size": b, "temperature": 0.0, "k": k,
+            "repetition": 0, "seed": None, "output_token_ids": out, "prompt_tokens": 5,
+            "ttft": TTFT, "latency": latency, "finish_reason": "stop",
+            "tpot": metrics.tpot(latency, TTFT, len(out)),
+            "drafts": counts.drafts, "draft_tokens": counts.draft_tokens,
+            "accepted_tokens": counts.accepted_tokens, "accepted_at": counts.accepted_at,
+            "cut_after_end": 0,
+            "vllm_spec_decode": {"num_spec_steps": len(accepted), "per_step_accepted": accepted,
+                                 "per_step_drafted": [k] * len(accepted)},
+            "step_tokens": step_tokens}
+
+
+def make_cell(task, b, k, records, speculative):
+    counts = metrics.SpecCounts(0, 0, 0, [0] * k)
+    if speculative:
+        for r in records:
+            counts = counts + metrics.SpecCounts(r["drafts"], r["draft_tokens"],
+                                                 r["accepted_tokens"], r["accepted_at"])
+    wall = sum(r["latency"] for r in records) / b     # b requests in flight
+    figures = cell_figures(counts, [len(r["output_token_ids"]) for r in records],
+                           [r["ttft"] for r in records], [r["latency"] for r in records], wall)
+    return {"task": task, "batch_size": b, "temperature": 0.0, "k": k, **figures,
+            "records": records}
+
+
+def baseline_cells(tasks=("chat",), sizes=(1, 2, 8)):
+    return [make_cell(t, b, 0, [baseline_record(t, p, b) for p in OUTPUTS], False)
+            for t in tasks for b in sizes]
+
+
+def drafter_cells(pattern, draft_cost, tasks=("chat",), sizes=(1, 2, 8)):
+    return [make_cell(t, b, K, [spec_record(t, p, b, pattern, draft_cost) for p in OUTPUTS],
+                      True) for t in tasks for b in sizes]
+
+
+def with_speedup(cells, base):
+    thr = {(c["task"], c["batch_size"]): c["output_throughput"] for c in base}
+    return [{**c, "speedup": metrics.speedup(c["output_throughput"],
+                                             thr[(c["task"], c["batch_size"])])} for c in cells]
+
+
+# ---- pure computations -----------------------------------------------------------------
+
+def test_the_cost_model_recovers_the_targets_forward_time_from_the_baseline():
+    models = analysis.fit_cost_models(baseline_cells(("chat", "code")))
+    assert set(models) == {("chat", 0.0), ("code", 0.0)}
+    m = models[("chat", 0.0)]
+    assert m.c0 == pytest.approx(C0) and m.c1 == pytest.approx(C1)
+    assert m(32) == pytest.approx(t_fwd(32))
+    # one batch size: a constant; a falling time: the mean, never a negative slope
+    assert analysis.fit_line([(4, 0.02)]).c1 == 0.0
+    falling = analysis.fit_line([(1, 0.03), (4, 0.01)])
+    assert falling.c1 == 0.0 and falling.c0 == pytest.approx(0.02)
+
+
+def test_a_vllm_cell_breakdown_bounds_and_efficiency_equal_the_hand_computed_values():
+    base = baseline_cells()
+    cells = with_speedup(drafter_cells(GOOD, 0.003), base)
+    rows = analysis.analyse_run(cells, base, "draft_model")
+    a = next(r for r in rows if r["batch_size"] == 2)
+    t1, tv = t_fwd(2), t_fwd(8)                        # 0.012 and 0.018
+    assert (a["tokens"], a["steps"], a["verify_steps"]) == (14, 6, 5)
+    assert a["tokens_per_step"] == pytest.approx(14 / 6)
+    assert a["t_fwd_b"] == pytest.approx(t1) and a["t_verify"] == pytest.approx(tv)
+    assert a["t_draft"] == pytest.approx(0.003)
+    # breakdown: TTFTs, 6 steps of verification, the rest; shares of the request time
+    request_time = 2 * TTFT + 6 * (tv + 0.003)
+    assert a["shares"]["prefill"] == pytest.approx(2 * TTFT / request_time)
+    assert a["shares"]["verification"] == pytest.approx(6 * tv / request_time)
+    assert a["shares"]["drafting_other"] == pytest.approx(6 * 0.003 / request_time)
+    assert sum(a["breakdown"].values()) == pytest.approx(a["wall_seconds"], rel=0.02)
+    assert a["predicted_speedup"] == pytest.approx((14 / 6) * t1 / (0.003 + tv))   # 1.3333
+    # oracle: ceil(8/4) + ceil(6/4) = 4 steps for 14 tokens, no draft cost
+    assert a["oracle_tokens_per_step"] == pytest.approx(3.5)
+    assert a["oracle_speedup"] == pytest.approx(3.5 * t1 / tv)                     # 2.3333
+    assert a["no_waste_speedup"] == pytest.approx((14 / 6) * t1 / (0.003 + t_fwd(2 * 14 / 6)))
+    measured = (2 * TTFT + 14 * t1) / request_time
+    assert a["measured_speedup"] == pytest.approx(measured)
+    assert a["engine_efficiency"] == pytest.approx(measured / a["predicted_speedup"])
+    for r in rows:   # the bounds are at least the measured speedup, the oracle the highest
+        assert r["oracle_speedup"] >= r["no_waste_speedup"] >= r["predicted_speedup"]
+        assert r["predicted_speedup"] >= r["measured_speedup"] or r["measured_speedup"] < 1
+        assert r["oracle_speedup"] >= r["measured_speedup"]
+
+
+def test_ngram_is_predicted_without_draft_cost_and_its_overhead_lowers_efficiency():
+    base = baseline_cells()
+    cells = with_speedup(drafter_cells(GOOD, 0.003), base)
+    ngram = analysis.analyse_run(cells, base, "ngram")
+    weighted = analysis.analyse_run(cells, base, "draft_model")
+    for n, w in zip(ngram, weighted):
+        assert n["t_draft"] == 0.0 and n["t_overhead"] == pytest.approx(0.003)
+        assert n["predicted_speedup"] == pytest.approx(
+            n["tokens_per_step"] * n["t_fwd_b"] / n["t_verify"])
+        assert n["predicted_speedup"] > w["predicted_speedup"]
+        assert n["engine_efficiency"] < w["engine_efficiency"]
+        assert n["shares"] == w["shares"]
+
+
+def test_verification_above_the_measured_decode_time_is_capped_so_shares_still_add_up():
+    base = baseline_cells(sizes=(1, 2))
+    fast = drafter_cells(GOOD, 0.0, sizes=(1, 2))
+    for c in fast:   # the drafter ran faster than the cost model says a step can
+        for r in c["records"]:
+            r["latency"] = r["ttft"] + (r["latency"] - r["ttft"]) * 0.5
+    a = analysis.analyse_run(fast, base, "ngram")[0]
+    assert a["verification_capped"] and a["shares"]["drafting_other"] == 0.0
+    assert sum(a["shares"].values()) == pytest.approx(1.0)
+
+
+def trace_records(step_times, sequences):
+    """Reference-engine records of one generation: per sequence, its steps (drafted,
+    accepted, emitted); the batch step times are shared by the sequences."""
+    records = []
+    for pid, steps in sequences.items():
+        out, trace = [], []
+        for i, (drafted, accepted, emitted) in enumerate(steps):
+            tokens = list(range(len(out), len(out) + emitted))
+            out += tokens
+            trace.append({"step": i, "seq": 0, "drafted": list(range(drafted)),
+                          "accepted": accepted, "bonus": 1, "emitted": tokens,
+                          "times": step_times[i], "finished": i == len(steps) - 1})
+        records.append({"prompt_id": pid, "output_token_ids": out, "steps": trace})
+    return records
+
+
+def test_reference_traces_use_the_measured_phases_which_add_up_to_the_wall_time():
+    prefill = {"drafting": 0.0, "verification": 0.020, "sampling": 0.0, "other": 0.001}
+    step = {"drafting": 0.004, "verification": 0.016, "sampling": 0.002, "other": 0.001}
+    times = [prefill, step, step, step]
+    records = trace_records(times, {
+        "p1": [(0, 0, 1), (3, 3, 4), (3, 1, 2), (3, 2, 3)],     # 9 decode tokens, 3 steps
+        "p2": [(0, 0, 1), (3, 0, 1), (3, 3, 4)],                 # 5 decode tokens, 2 steps
+    })
+    wall = sum(sum(t.values()) for t in times)
+    cell = {"task": "chat", "batch_size": 2, "temperature": 0.0, "k": 3, "records": records,
+            "wall_seconds": wall, "speedup": 1.2}
+    model = analysis.CostModel(C0, C1)
+    a = analysis.analyse_cell(cell, model, "draft_model")
+    assert a["source"] == "reference traces"
+    assert sum(a["breakdown"].values()) == pytest.approx(wall, rel=0.02)
+    assert a["breakdown"]["drafting"] == pytest.approx(3 * 0.004)
+    assert a["breakdown"]["sampling"] == pytest.approx(3 * 0.002)
+    assert a["t_draft"] == pytest.approx(0.004) and a["t_verify"] == pytest.approx(0.016)
+    assert (a["tokens"], a["steps"]) == (14, 5)
+    assert a["predicted_speedup"] == pytest.approx(14 / 5 * t_fwd(2) / 0.020)
+    # oracle: ceil(9/4) + ceil(5/4) = 5 steps, each at the measured verification cost
+    assert a["oracle_speedup"] == pytest.approx(14 / 5 * t_fwd(2) / 0.016)
+    assert a["oracle_speedup"] >= a["predicted_speedup"] >= a["measured_speedup"]
+
+
+def test_a_cut_last_step_and_non_speculative_steps_are_read_from_the_step_record():
+    r = {"prompt_id": "x", "output_token_ids": list(range(8)), "ttft": 0.0, "latency": 1.0,
+         "vllm_spec_decode": {"per_step_accepted": [2, 0, 3]},
+         "step_tokens": [1, 3, 1, 1, 2]}          # verify(2), non-spec or verify(0), ..., cut
+    rs = analysis.request_steps(r)
+    assert rs.aligned and rs.tokens == 7 and rs.steps == 4
+    assert rs.spans == [(1, 2), (4, 0), (6, 2)] and rs.non_spec == 1
+    assert analysis.accepted_from(rs) == [0, 2, 1, 0, 0, 0, 2, 1]
+
+
+def test_the_oracle_combination_takes_the_furthest_reach_of_any_drafter():
+    good = drafter_cells(GOOD, 0.003, sizes=(2,))[0]["records"]
+    late = drafter_cells(LATE, 0.001, sizes=(2,))[0]["records"]
+    model = analysis.CostModel(C0, C1)
+    res = analysis.oracle_combine({"good": good, "late": late}, K, model, 2,
+                                  {p: out for p, out in OUTPUTS.items()})
+    # p1: good reaches position 5 from 1, late 9 from 5 -> 2 steps; p2: both 2 steps
+    assert (res["tokens"], res["steps"], res["requests"]) == (14, 4, 2)
+    assert res["al_combine"] == pytest.approx(3.5)
+    assert res["drafter_tokens_per_step"] == {"good": pytest.approx(14 / 6),
+                                              "late": pytest.approx(2.0)}
+    assert res["al_combine"] >= max(res["drafter_tokens_per_step"].values())
+    assert res["speedup_bound"] == pytest.approx(3.5 * t_fwd(2) / t_fwd(8))
+    # a drafter whose output differs from the baseline's is left out of a request
+    bad = json.loads(json.dumps(late))
+    bad[0]["output_token_ids"] = bad[0]["output_token_ids"][:-1] + [0]
+    bad[0]["step_tokens"] = [1, 1, 1, 1, 1, 4]
+    res = analysis.oracle_combine({"good": good, "late": bad}, K, model, 2, OUTPUTS)
+    assert res["requests"] == 1 and res["tokens"] == 6
+
+
+def test_crossover_matrix_recommender_and_pareto_on_crafted_results():
+    assert analysis.crossover({1: 1.5, 2: 1.2, 8: 0.8}) == {
+        "measured": 8, "interpolated": pytest.approx(2 ** (1 + 0.2 / 0.4 * 2))}
+    assert analysis.crossover({1: 1.5, 2: 1.1}) == {"measured": None, "interpolated": None}
+    assert analysis.crossover({1: 0.9})["measured"] == 1
+    entries = [{"drafter": "a", "k": 2, "task": "chat", "batch_size": 1, "speedup": 1.8},
+               {"drafter": "b", "k": 4, "task": "chat", "batch_size": 1, "speedup": 2.1},
+               {"drafter": "a", "k": 2, "task": "chat", "batch_size": 8, "speedup": 0.9}]
+    m = analysis.best_matrix(entries, ["chat"], [1, 8])
+    assert (m[("chat", 1)]["drafter"], m[("chat", 1)]["k"]) == ("b", 4)
+    assert m[("chat", 8)]["drafter"] is None and m[("chat", 8)]["best_drafter_speedup"] == 0.9
+    # a is fast on chat, b on code; throughput in tokens/s
+    base = [{"task": "chat", "batch_size": 4, "output_throughput": 100.0},
+            {"task": "code", "batch_size": 4, "output_throughput": 100.0}]
+    cells = [{"drafter": "a", "k": 2, "task": "chat", "batch_size": 4, "output_throughput": 300.0},
+             {"drafter": "a", "k": 2, "task": "code", "batch_size": 4, "output_throughput": 110.0},
+             {"drafter": "b", "k": 3, "task": "chat", "batch_size": 4, "output_throughput": 150.0},
+             {"drafter": "b", "k": 3, "task": "code", "batch_size": 4, "output_throughput": 250.0}]
+    chat = analysis.recommend(cells, base, {"chat": 0.9, "code": 0.1}, 5)
+    assert chat["batch_size"] == 4 and (chat["best"]["drafter"], chat["best"]["k"]) == ("a", 2)
+    expected = 1 / (0.9 / 300 + 0.1 / 110)
+    assert chat["best"]["throughput"] == pytest.approx(expected)
+    assert chat["best"]["speedup"] == pytest.approx(expected / 100.0)
+    assert (chat["best"]["speedup_min"], chat["best"]["speedup_max"]) == (
+        pytest.approx(1.1), pytest.approx(3.0))
+    code = analysis.recommend(cells, base, {"chat": 1, "code": 3}, 4)
+    assert code["best"]["drafter"] == "b"
+    slow = [dict(c, output_throughput=80.0) for c in cells]
+    assert analysis.recommend(slow, base, {"chat": 1}, 4)["best"]["drafter"] is None
+    with pytest.raises(ValueError):
+        analysis.normalise_mix({"chat": 0})
+    pts = analysis.pareto([{"cost": 0.0, "al": 1.8}, {"cost": 0.1, "al": 2.5},
+                           {"cost": 0.2, "al": 2.4}, {"cost": 0.3, "al": 3.1},
+                           {"cost": None, "al": 4.0}])
+    assert [p["frontier"] for p in pts] == [True, True, False, True, False]
+
+
+# ---- site and API -------------------------------------------------------------------------
+
+@pytest.fixture(autouse=True)
+def no_page_cache(settings):
+    settings.SPECBOARD_PAGE_CACHE_SECONDS = 0
+
+
+@pytest.fixture
+def media(settings, tmp_path):
+    settings.MEDIA_ROOT = tmp_path / "media"
+    return settings.MEDIA_ROOT
+
+
+SIZES = (1, 2, 8)
+DRAFT_COST = 0.002     # the draft model's cost per step; the n-gram drafter's overhead 0.0005
+
+
+@pytest.fixture
+def pays_board(media):
+    """A protocol (chat, code; b 1, 2, 8; k 3; temperature 0) with a baseline, a draft
+    model that is good on chat (GOOD) and late on code, and an n-gram drafter the other way
+    round; every cell's records written to the storage as a worker writes them."""
+    from leaderboard import runs
+    from leaderboard.models import Result
+    from worker.protocol import Cell
+
+    from . import factories as f
+
+    target = f.make_target(slug="pays-target")
+    protocol = f.make_protocol(target, slug="pays", hardware="pays-hw", tasks=("chat", "code"),
+                               batch_sizes=SIZES, temperatures=(0.0,), ks=(K,))
+
+    def store(run, cells, base=None):
+        rows = []
+        for c in cells:
+            runs._write_gz_lines(runs.cell_records_name(run.pk, Cell(
+                c["task"], c["batch_size"], 0.0, c["k"])), c["records"])
+            figures = {k: v for k, v in c.items() if k not in ("task", "batch_size",
+                                                                "temperature", "k", "records")}
+            r = Result(run=run, task=c["task"], batch_size=c["batch_size"], temperature=0.0,
+                       k=c["k"], **figures)
+            if base is not None:
+                b = base[(c["task"], c["batch_size"])]
+                r.baseline_result, r.lossless_share = b, 1.0
+                r.speedup = metrics.speedup(r.output_throughput, b.output_throughput)
+            r.save()
+            rows.append(r)
+        run.artifact = runs._assemble_artifact(run)
+        run.save(update_fields=["artifact"])
+        if base is not None:   # what runs.finish does for a succeeded drafter run
+            assert runs.record_analysis(run) == len(rows)
+        return rows
+
+    base_run = f.make_run(protocol)
+    base_rows = store(base_run, baseline_cells(("chat", "code"), SIZES))
+    base = {(r.task, r.batch_size): r for r in base_rows}
+    eagle = f.make_drafter(target, "Pays draft", method="draft_model")
+    ngram = f.make_drafter(target, "Pays ngram", method="ngram")
+    store(f.make_run(protocol, eagle),
+          drafter_cells(GOOD, DRAFT_COST, ("chat",), SIZES)
+          + drafter_cells(LATE, DRAFT_COST, ("code",), SIZES),
+          base)
+    store(f.make_run(protocol, ngram),
+          drafter_cells(LATE, 0.0005, ("chat",), SIZES) + drafter_cells(GOOD, 0.0005, ("code",), SIZES),
+          base)
+    return {"protocol": protocol, "eagle": eagle, "ngram": ngram, "baseline": base_run}
+
+
+def test_the_pays_page_shows_matrix_bounds_pareto_combine_and_definitions(
+        client, pays_board, django_assert_max_num_queries):
+    url = reverse("protocol_pays", args=["pays", 1])
+    with django_assert_max_num_queries(4):
+        response = client.get(url)
+    assert response.status_code == 200
+    html = response.content.decode()
+    data = response.context["data"]
+    # chat: the draft model wins at b=1; code: the n-gram drafter (GOOD pattern, cheaper)
+    matrix = {row["task"]: row["cells"] for row in data["matrix"]}
+    assert matrix["chat"][0]["drafter"]["slug"] == "pays-draft"
+    assert matrix["code"][0]["drafter"]["slug"] == "pays-ngram"
+    for row in data["matrix"]:
+        for c in row["cells"]:
+            assert c["drafter"] is None or c["speedup"] > 1
+    curves = {c["drafter"]["slug"]: c for c in data["curves"]}
+    for c in curves.values():
+        for r in c["by_batch"]:
+            assert r["oracle_speedup"] >= r["predicted_speedup"]
+            assert r["oracle_speedup"] >= r["measured_speedup"]
+            assert sum(r["shares"].values()) == pytest.approx(1.0, abs=0.02)
+        measured = {r["batch_size"]: r["measured_speedup"] for r in c["by_batch"]}
+        assert c["crossover"] == analysis.crossover(measured)
+    assert curves["pays-draft"]["crossover"]["measured"] == 8      # 0.9x at b=8
+    # combine on each (task, b): both drafters, known AL
+    combine = {(c["task"], c["batch_size"]): c for c in data["combine"]}
+    assert combine[("chat", 2)]["al_combine"] == pytest.approx(3.5)
+    assert combine[("chat", 2)]["speedup_bound"] == pytest.approx(3.5 * t_fwd(2) / t_fwd(8))
+    points = {p["drafter"]["slug"]: p for p in data["pareto"]}
+    assert points["pays-ngram"]["cost"] < points["pays-draft"]["cost"]
+    assert points["pays-ngram"]["frontier"]
+    for needle in ("Best drafter per task and batch size", "Oracle combination",
+                   "Cost model (vLLM runs)", "cannot separate drafting from rejection sampling",
+                   'id="fig-bounds"', 'id="fig-pareto"', 'id="fig-breakdown"', "Pays draft"):
+        assert needle in html, needle
+    # every number on the page comes from the data: a figure's value is in its JSON
+    figs = {m.group(1): json.loads(m.group(2)) for m in re.finditer(
+        r'<script type="application/json" id="fig-([\w-]+)">(.*?)</script>', html, re.S)}
+    oracle_trace = next(t for t in figs["bounds"]["data"] if t["name"].startswith("Pays draft")
+                        and t["name"].endswith("oracle"))
+    assert oracle_trace["y"] == pytest.approx(
+        [r["oracle_speedup"] for r in curves["pays-draft"]["by_batch"]])
+    # linked from the protocol page, the leaderboard and the drafter page
+    for page in (reverse("protocol", args=["pays", 1]), reverse("home") + "?protocol=pays@1",
+                 reverse("drafter", args=["pays-draft"])):
+        assert url in client.get(page).content.decode(), page
+
+
+def test_the_recommender_form_picks_the_known_best_drafter(client, pays_board):
+    url = reverse("protocol_pays", args=["pays", 1])
+    chat = client.get(url, {"w_chat": "1", "w_code": "0", "batch_size": "2"})
+    rec = chat.context["rec"]
+    assert rec["best"]["drafter"]["slug"] == "pays-draft" and rec["best"]["k"] == K
+    assert 'id="recommendation"' in chat.content.decode()
+    code = client.get(url, {"w_chat": "0", "w_code": "1", "batch_size": "3"})
+    assert code.context["rec"]["batch_size"] == 2       # nearest measured
+    assert code.context["rec"]["best"]["drafter"]["slug"] == "pays-ngram"
+    big = client.get(url, {"w_chat": "1", "w_code": "1", "batch_size": "8"}).context["rec"]
+    assert big["best"]["drafter"] is None               # nothing pays at b=8
+    bad = client.get(url, {"w_chat": "-1", "w_code": "0", "batch_size": "2"})
+    assert bad.status_code == 200 and bad.context["rec_error"]
+
+
+def test_the_drafter_page_shows_its_breakdown_bounds_and_crossover(
+        client, pays_board, django_assert_max_num_queries):
+    with django_assert_max_num_queries(8):
+        response = client.get(reverse("drafter", args=["pays-draft"]))
+    html = response.content.decode()
+    assert 'id="pays"' in html and 'id="fig-pays_bounds"' in html and 'id="pays-cells"' in html
+    from leaderboard import selectors
+
+    cells = {(a["task"], a["batch_size"]): a
+             for a in selectors.drafter_analysis(response.context["page"])["cells"]}
+    assert cells[("chat", 2)]["predicted_speedup"] == pytest.approx(
+        (14 / 6) * t_fwd(2) / (DRAFT_COST + t_fwd(8)))
+
+
+def test_the_analysis_api_returns_the_page_figures(client, pays_board):
+    response = client.get("/api/protocols/pays/1/analysis")
+    assert response.status_code == 200
+    body = response.json()
+    assert body["temperature"] == 0.0 and body["has_records"]
+    assert [r["task"] for r in body["matrix"]] == ["chat", "code"]
+    assert body["matrix"][0]["cells"][0]["drafter"]["slug"] == "pays-draft"
+    curve = next(c for c in body["curves"] if c["drafter"]["slug"] == "pays-draft")
+    assert curve["crossover"]["measured"] == 8
+    assert [d[0] for d in body["definitions"]][:2] == ["Decode steps of a request",
+                                                        "Cost model (vLLM runs)"]
+    assert client.get("/api/protocols/pays/9/analysis").status_code == 404
+    assert client.get("/api/protocols/pays/1/analysis", {"temperature": 0.7}).status_code == 422
+
+
+def test_the_recommend_api_picks_the_known_best_and_refuses_a_bad_mix(client, pays_board):
+    ok = client.get("/api/recommend", {"protocol": "pays@1", "batch_size": 1,
+                                       "mix": "chat:0.95,code:0.05"})
+    assert ok.status_code == 200
+    body = ok.json()
+    assert body["best"]["drafter"]["slug"] == "pays-draft" and body["batch_size"] == 1
+    assert [m["weight"] for m in body["mix"]] == pytest.approx([0.95, 0.05])
+    options = {(o["drafter"] or {}).get("slug"): o for o in body["options"]}
+    assert options[None]["speedup"] == 1.0
+    best = body["best"]
+    assert best["speedup_min"] <= best["speedup"] <= best["speedup_max"]
+    code = client.get("/api/recommend", {"protocol": "pays", "batch_size": 1, "mix": "code:1"})
+    assert code.json()["best"]["drafter"]["slug"] == "pays-ngram"
+    for mix in ("poetry:1", "chat:x", "chat:0"):
+        bad = client.get("/api/recommend", {"protocol": "pays@1", "batch_size": 1, "mix": mix})
+        assert bad.status_code == 422 and bad.json()["detail"][0]["field"] == "mix", mix
+    assert client.get("/api/recommend", {"protocol": "nope", "batch_size": 1}).status_code == 404
+
+
+def test_the_results_export_carries_the_analysis_columns(client, pays_board):
+    from leaderboard import selectors
+
+    response = client.get("/api/results", {"protocol": "pays@1", "format": "csv"})
+    reader = csv.DictReader(io.StringIO(b"".join(response.streaming_content).decode()))
+    assert reader.fieldnames == list(selectors.RESULT_COLUMNS)
+    rows = list(reader)
+    row = next(r for r in rows if r["drafter"] == "pays-draft" and r["task"] == "chat"
+               and r["batch_size"] == "2")
+    assert float(row["predicted_speedup"]) == pytest.approx(
+        (14 / 6) * t_fwd(2) / (DRAFT_COST + t_fwd(8)))
+    assert float(row["oracle_speedup"]) == pytest.approx(3.5 * t_fwd(2) / t_fwd(8))
+    assert float(row["engine_efficiency"]) == pytest.approx(
+        float(row["speedup"]) / float(row["predicted_speedup"]))
+    shares = [float(row[c]) for c in ("prefill_share", "verification_share",
+                                      "drafting_other_share")]
+    assert sum(shares) == pytest.approx(1.0)
+    assert all(r["predicted_speedup"] == "" for r in rows if r["method"] == "baseline")
+    page = client.get("/api/results", {"protocol": "pays@1", "drafter": "pays-draft"}).json()
+    first = page["items"][0]
+    assert first["oracle_speedup"] is not None and first["tokens_per_step"] is not None
+
+
+def test_the_analysis_is_cached_under_the_finished_runs_and_follows_a_new_run(
+        client, pays_board, settings, media, django_assert_max_num_queries):
+    import shutil
+
+    from django.core.cache import cache
+
+    from . import factories as f
+
+    settings.SPECBOARD_PAGE_CACHE_SECONDS = 60
+    cache.clear()
+    url = "/api/protocols/pays/1/analysis"
+    first = client.get(url).json()
+    assert first["has_records"]
+    # the records are not read again: the figures stay when the files are gone
+    shutil.rmtree(media / "runs")
+    with django_assert_max_num_queries(2):   # the protocol, the succeeded runs
+        assert client.get(url).json() == first
+    # a new succeeded run changes the key: its drafter shows up (without records here)
+    late = f.make_drafter(pays_board["protocol"].target, "Late comer")
+    f.make_run(pays_board["protocol"], late)
+    again = client.get(url).json()
+    assert "late-comer" in [d["drafter"]["slug"] for d in again["drafters"]]
+    assert not again["has_records"]
+    cache.clear()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_pays_page_draws_its_charts_in_a_browser(live_server, pays_board, artifacts_dir,
+                                                     monkeypatch):
+    """Headless Chromium: the page's figures are drawn by the local plotly.js without a
+    script error, and the recommender form answers."""
+    import os
+    import shutil
+
+    from playwright.sync_api import sync_playwright
+
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    chromium = shutil.which("chromium") or "/usr/bin/chromium"
+    if not os.path.exists(chromium):
+        pytest.fail("Chromium is missing: apt-get install -y chromium")
+    errors = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, headless=True,
+                                    args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.set_default_timeout(20000)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.goto(live_server.url + reverse("protocol_pays", args=["pays", 1]))
+            page.wait_for_function(
+                "document.querySelectorAll('div.chart .main-svg').length >= 4")
+            page.fill("input[name=w_chat]", "0")
+            page.fill("input[name=batch_size]", "1")
+            page.click("#recommend-form button[type=submit]")
+            page.wait_for_selector("#recommendation")
+            assert "Pays ngram" in page.inner_text("#recommendation")
+            page.screenshot(path=str(artifacts_dir / "pays.png"), full_page=True)
+            page.goto(live_server.url + reverse("drafter", args=["pays-draft"]))
+            page.wait_for_selector("#chart-pays_bounds .main-svg")
+        finally:
+            browser.close()
+            from django.db import connections
+
+            connections.close_all()
+    assert errors == []

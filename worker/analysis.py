@@ -1,0 +1,574 @@
+"""When does acceptance pay? Time breakdown, predicted and oracle bounds, the oracle
+combination of drafters, the best drafter per task and batch size, crossover batch sizes,
+a recommender and the acceptance/cost Pareto frontier.
+
+Pure computations on plain dicts (no Django): a *cell* is a result row's figures (task,
+batch_size, temperature, k, requests, generated_tokens, wall_seconds, drafts,
+accepted_tokens, accepted_at, output_throughput, tpot_mean, speedup...) plus, where the
+raw data is at hand, ``records``: its per-request records as ``worker.measure`` writes them
+(output_token_ids, ttft, latency; for speculative vLLM runs ``vllm_spec_decode`` with
+per_step_accepted / per_step_drafted and ``step_tokens``), or records of the reference
+engine that carry ``steps`` (``StepTrace.to_dict()``). The site's selectors read these from
+the storage and cache what comes out; the definitions below are shown on each protocol's
+"When does it pay?" page (``definitions()``).
+
+Definitions
+-----------
+Decode steps of a request. The first output token comes from the prefill (its TTFT). The
+*decode tokens* are the rest; the *decode steps* are the engine steps that delivered them:
+verification steps (one per entry of ``per_step_accepted``) plus non-speculative steps (the
+request proposed nothing: one token), counted from ``step_tokens`` (its length less the
+prefill's entry). A verification step that accepted a drafted tokens yields a + 1 tokens;
+the last one may be cut at EOS or max_tokens. *Tokens per step* = decode tokens / decode
+steps: the acceptance length counted over every decode step, equal to AL when every step
+drafted.
+
+Cost model (vLLM runs). vLLM's counters give no phase times, so the target's forward time
+is fitted on the baseline run of the same protocol, hardware class and engine version: for
+each (task, temperature) the decode step time of the baseline cell at batch size b is its
+mean TPOT (one token per step per request), and t_fwd(n) = c0 + c1 * n is fitted by least
+squares over the baseline's batch sizes, n = tokens per step = b (per task and temperature,
+not pooled; c0, c1 >= 0; with a single batch size the model is the constant t_fwd = TPOT).
+A drafter cell (b, k) then costs t_fwd(b * (k + 1)) per decode step for verification.
+
+Time breakdown. vLLM cells: over the cell's requests, *prefill and waiting* = sum of TTFT,
+*verification* = sum over requests of decode steps x t_fwd(b(k+1)), and *drafting,
+rejection sampling and other* = the rest of the measured decode time (sum of latency - TTFT);
+vLLM cannot separate drafting from rejection sampling and scheduling overhead, so they are
+one share (for n-gram, whose proposer is a CPU lookup, it is engine overhead rather than
+drafting). If the model's verification exceeds the measured decode time it is capped there
+(flag ``verification_capped``). Shares are of the summed request time, and the seconds shown
+are those shares of the cell's wall time, so they add up to it. Reference-engine cells: the
+measured phases of the traces (drafting, verification, sampling = rejection sampling, other),
+each batch step counted once; they add up to the generation's wall time.
+
+Draft cost per step. t_draft is, on the reference engine, the measured drafting time per batch decode
+step; vLLM, the measured remainder (drafting, rejection sampling, other) per decode step for
+weighted drafters (an upper bound of the drafting cost), and 0 for n-gram (no forward pass).
+
+Predicted speedup and engine efficiency. Predicted speedup = tokens per step x t_fwd(b) / (t_draft + t_verify), t_verify =
+t_fwd(b(k+1)) (vLLM) or the measured verification time per batch step (reference engine).
+Engine efficiency = measured speedup / predicted speedup.
+
+Oracle speedup. Every decode step proposes exactly the tokens the target goes on to emit, up
+to k, all accepted, at no draft cost, so a request with m decode tokens takes ceil(m / (k+1))
+steps; speedup = sum m x t_fwd(b) / (sum ceil(m / (k+1)) x t_verify), the baseline time
+predicted by the same model. It is at least the predicted speedup, because no request needs
+more oracle steps than the steps it took. *No-waste* variant: the drafter's own steps, each
+verifying only the accepted tokens + 1 (t_fwd(b x tokens per step)), with its draft cost.
+
+Oracle combine. At temperature 0, for drafters of one protocol and k on the same requests
+(outputs equal to the baseline's or, without it, to each other): walking an output from the first
+decode position, at each position take the largest number of tokens any drafter accepted from
+there (from a step that started there, or the rest of an accepted span that covered it),
+emit those plus the target's token, and step on. AL_combine = decode tokens / combined steps
+is at least each drafter's tokens per step on the same requests (the furthest reach at every
+step). Speedup bound = tokens x t_fwd(b) / (steps x t_fwd(b(k+1))): no draft cost, so an
+upper bound of what a hybrid of these drafters could give (``oracle_combine`` also gives the
+speedup with the drafters' summed draft cost per step when it is passed those costs).
+
+Best drafter per task and batch size. The (drafter, k) with the highest measured speedup of
+its cell; "baseline" when none exceeds 1.
+
+Crossover batch size. Of a drafter at k: the smallest measured b whose speedup (all tasks: summed throughput over the baseline's) is
+below 1, and the same point interpolated linearly in log2 b between the last measured b at or
+above 1 and that one; none if it never falls below 1.
+
+Recommender. A task mix w_t (normalised to sum 1) and a batch size b (the nearest measured
+batch size; the lower on a tie). For each (drafter, k), time per token adds up, so the mix's
+throughput is 1 / sum_t (w_t / throughput_t) (a weighted harmonic mean of its cells' measured
+throughput); the baseline's the same way, and speedup = their ratio. Spread = the smallest
+and largest per-task speedup over tasks with w_t > 0. The highest throughput wins, the
+baseline ("no drafter") included; a (drafter, k) missing a task of the mix is left out.
+
+Acceptance against cost (Pareto). One point per (drafter, k): x = draft cost per step relative to a target forward,
+sum t_draft over steps / sum steps x t_fwd(b) over its cells (vLLM: the measured remainder
+for every method, n-gram included, since this axis compares measured costs), y = AL from
+summed counts. A point is on the frontier if no other has lower-or-equal cost and
+higher-or-equal AL, one of them strictly.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from worker import metrics
+
+NO_DRAFT_COST_METHODS = ("ngram",)
+
+
+# ----------------------------------------------------------------------------- cost model
+
+@dataclass(frozen=True)
+class CostModel:
+    """t_fwd(n) = c0 + c1 * n seconds for a forward of n tokens per step."""
+
+    c0: float
+    c1: float
+    points: tuple = ()          # (batch size, measured step time)
+    kind: str = "least squares"
+
+    def __call__(self, n) -> float:
+        return self.c0 + self.c1 * n
+
+    def to_dict(self):
+        return {"c0": self.c0, "c1": self.c1, "kind": self.kind,
+                "points": [list(p) for p in self.points]}
+
+
+def fit_line(points) -> CostModel | None:
+    """Least squares t = c0 + c1 n over (n, t) points, with c0, c1 >= 0 (a negative slope
+    gives the constant mean; a negative intercept the line through the origin)."""
+    pts = sorted((float(n), float(t)) for n, t in points if t is not None and t > 0)
+    if not pts:
+        return None
+    ns = {n for n, _ in pts}
+    mean_t = sum(t for _, t in pts) / len(pts)
+    if len(ns) == 1:
+        return CostModel(mean_t, 0.0, tuple(pts), "constant (one batch size)")
+    mean_n = sum(n for n, _ in pts) / len(pts)
+    sxx = sum((n - mean_n) ** 2 for n, _ in pts)
+    c1 = sum((n - mean_n) * (t - mean_t) for n, t in pts) / sxx
+    c0 = mean_t - c1 * mean_n
+    if c1 < 0:
+        return CostModel(mean_t, 0.0, tuple(pts), "constant (negative slope)")
+    if c0 < 0:
+        c1 = sum(n * t for n, t in pts) / sum(n * n for n, _ in pts)
+        return CostModel(0.0, c1, tuple(pts), "through the origin (negative intercept)")
+    return CostModel(c0, c1, tuple(pts))
+
+
+def step_time(cell) -> float | None:
+    """A baseline cell's decode step time: its mean TPOT (from the records if need be)."""
+    if cell.get("tpot_mean"):
+        return cell["tpot_mean"]
+    tpots = [metrics.tpot(r["latency"], r["ttft"], len(r["output_token_ids"]))
+             for r in cell.get("records") or [] if r.get("ttft") is not None]
+    tpots = [t for t in tpots if t is not None]
+    return sum(tpots) / len(tpots) if tpots else None
+
+
+def fit_cost_models(baseline_cells) -> dict[tuple, CostModel]:
+    """{(task, temperature): CostModel} from the baseline run's cells."""
+    groups: dict[tuple, list] = {}
+    for c in baseline_cells:
+        groups.setdefault((c["task"], float(c["temperature"])), []).append(
+            (c["batch_size"], step_time(c)))
+    return {key: m for key, pts in groups.items() if (m := fit_line(pts)) is not None}
+
+
+# ----------------------------------------------------------------------------- requests
+
+@dataclass
+class RequestSteps:
+    """The decode structure of one request: decode tokens, verification and
+    non-speculative steps, and the accepted spans (start position, accepted tokens) of its
+    verification steps, in output positions (the prefill's token is position 0)."""
+
+    key: tuple
+    output: list
+    first: int                  # tokens before the first decode step (the prefill's)
+    spans: list                 # [(start, accepted)]
+    non_spec: int
+    decode_time: float | None
+    ttft: float | None
+    aligned: bool = True
+
+    @property
+    def tokens(self) -> int:
+        return max(len(self.output) - self.first, 0)
+
+    @property
+    def steps(self) -> int:
+        return len(self.spans) + self.non_spec
+
+
+def _vllm_steps(r) -> RequestSteps:
+    out = list(r.get("output_token_ids") or [])
+    spec = r.get("vllm_spec_decode") or {}
+    accepted = list(spec.get("per_step_accepted") or [])
+    step_tokens = list(r.get("step_tokens") or [])
+    key = (r.get("prompt_id"), r.get("repetition", 0))
+    decode_time = (r["latency"] - r["ttft"]) if r.get("ttft") is not None else None
+    spans, non_spec, aligned = [], 0, True
+    if step_tokens and sum(step_tokens) == len(out):
+        pos, j = step_tokens[0], 0
+        last = len(step_tokens) - 1
+        for i, v in enumerate(step_tokens[1:], start=1):
+            if j < len(accepted) and v == accepted[j] + 1:
+                spans.append((pos, accepted[j]))
+                j += 1
+            elif j < len(accepted) and i == last and v <= accepted[j]:
+                spans.append((pos, v))   # cut at the end: every kept token was accepted
+                j += 1
+            elif v == 1:
+                non_spec += 1
+            else:
+                aligned = False
+                spans.append((pos, v - 1))
+            pos += v
+        aligned = aligned and j == len(accepted)
+        return RequestSteps(key, out, step_tokens[0], spans, non_spec, decode_time,
+                            r.get("ttft"), aligned)
+    # no usable step record: verification steps in order, then one token per step
+    pos = 1 if out else 0
+    for a in accepted:
+        if pos >= len(out):
+            break
+        kept = min(a, len(out) - pos)
+        spans.append((pos, kept))
+        pos += min(a + 1, len(out) - pos)
+    non_spec = max(len(out) - pos, 0)
+    return RequestSteps(key, out, 1 if out else 0, spans, non_spec, decode_time,
+                        r.get("ttft"), not accepted or not step_tokens)
+
+
+def _trace_steps(r) -> RequestSteps:
+    steps = sorted(r["steps"], key=lambda s: s["step"])
+    out = list(r.get("output_token_ids") or r.get("output_ids") or
+               [t for s in steps for t in s["emitted"]])
+    first = len(steps[0]["emitted"]) if steps and steps[0]["step"] == 0 else 0
+    pos, spans, non_spec = first, [], 0
+    for s in steps:
+        if s["step"] == 0:
+            continue
+        n = len(s["emitted"])
+        if s["drafted"]:
+            spans.append((pos, min(s["accepted"], n)))
+        else:
+            non_spec += 1
+        pos += n
+    decode_time = (r["latency"] - r["ttft"]) if r.get("latency") is not None \
+        and r.get("ttft") is not None else None
+    return RequestSteps((r.get("prompt_id"), r.get("repetition", 0)), out, first, spans,
+                        non_spec, decode_time, r.get("ttft"))
+
+
+def request_steps(record) -> RequestSteps:
+    """The decode structure of one per-request record (vLLM or reference traces)."""
+    return _trace_steps(record) if record.get("steps") else _vllm_steps(record)
+
+
+def accepted_from(rs: RequestSteps) -> list[int]:
+    """For each output position, the tokens this request's drafter accepted from there: the
+    rest of the accepted span that covers it, 0 outside spans."""
+    acc = [0] * len(rs.output)
+    for start, a in rs.spans:
+        for p in range(start, min(start + a, len(acc))):
+            acc[p] = a - (p - start)
+    return acc
+
+
+# ----------------------------------------------------------------------------- one cell
+
+def _phase_breakdown_from_traces(records) -> dict:
+    """Phase seconds of reference-engine records, each batch step counted once."""
+    from_steps: dict[tuple, dict] = {}
+    for r in records:
+        gen = r.get("generation", 0)
+        for s in r["steps"]:
+            from_steps.setdefault((gen, s["step"]), s.get("times") or {})
+    phases = ("drafting", "verification", "sampling", "other")
+    totals = {p: sum(t.get(p, 0.0) for t in from_steps.values()) for p in phases}
+    decode_steps = sum(1 for (g, step) in from_steps if step > 0)
+    prefill = {p: sum(t.get(p, 0.0) for (g, step), t in from_steps.items() if step == 0)
+               for p in phases}
+    return {"totals": totals, "decode_steps": decode_steps, "prefill": prefill}
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def analyse_cell(cell: dict, model: CostModel | None, method: str | None = None,
+                 baseline_throughput: float | None = None) -> dict:
+    """The time breakdown and the bounds of one drafter cell with records.
+
+    Returns {"source": "vllm cost model" | "reference traces", "breakdown": {phase: seconds},
+    "shares": {phase: share}, "wall_seconds", "tokens", "steps", "verify_steps",
+    "tokens_per_step", "t_fwd_b", "t_verify", "t_draft", "draft_cost_relative",
+    "measured_speedup", "predicted_speedup", "engine_efficiency", "oracle_speedup",
+    "oracle_tokens_per_step", "no_waste_speedup", "verification_capped", "aligned"}."""
+    records = cell.get("records") or []
+    b, k = cell["batch_size"], cell["k"]
+    reqs = [request_steps(r) for r in records]
+    tokens = sum(r.tokens for r in reqs)
+    steps = sum(r.steps for r in reqs)
+    verify_steps = sum(len(r.spans) for r in reqs)
+    traces = bool(records) and all(r.get("steps") for r in records)
+    out = {"task": cell["task"], "batch_size": b, "temperature": float(cell["temperature"]),
+           "k": k, "requests": len(reqs), "tokens": tokens, "steps": steps,
+           "verify_steps": verify_steps, "tokens_per_step": _ratio(tokens, steps),
+           "acceptance_length": cell.get("acceptance_length"),
+           "aligned": all(r.aligned for r in reqs), "verification_capped": False,
+           "cost_model": model.to_dict() if model else None}
+    wall = cell.get("wall_seconds")
+    t1 = model(b) if model else None
+    measured = cell.get("speedup")
+    if measured is None and baseline_throughput:
+        measured = metrics.speedup(cell.get("output_throughput"), baseline_throughput)
+    out["measured_speedup"] = measured
+    if traces:
+        ph = _phase_breakdown_from_traces(records)
+        breakdown = dict(ph["totals"])
+        total = sum(breakdown.values())
+        n_steps = max(ph["decode_steps"], 1)
+        decode = {p: breakdown[p] - ph["prefill"][p] for p in breakdown}
+        t_verify = decode["verification"] / n_steps
+        t_draft = decode["drafting"] / n_steps
+        out.update(source="reference traces", wall_seconds=total, breakdown=breakdown,
+                   shares={p: _ratio(v, total) for p, v in breakdown.items()},
+                   t_verify=t_verify, t_draft=t_draft, t_overhead=(decode["sampling"]
+                                                                  + decode["other"]) / n_steps)
+    else:
+        if not reqs or model is None:
+            out.update(source="vllm cost model", breakdown=None, shares=None,
+                       wall_seconds=wall, t_verify=None, t_draft=None, t_overhead=None,
+                       t_fwd_b=t1, predicted_speedup=None, engine_efficiency=None,
+                       oracle_speedup=None, oracle_tokens_per_step=None,
+                       no_waste_speedup=None, draft_cost_relative=None)
+            return out
+        t_verify = model(b * (k + 1))
+        decode_time = sum(r.decode_time or 0.0 for r in reqs)
+        prefill = sum(r.ttft or 0.0 for r in reqs)
+        verification = steps * t_verify
+        if verification > decode_time:
+            verification, out["verification_capped"] = decode_time, True
+        rest = decode_time - verification
+        request_time = prefill + decode_time
+        shares = {"prefill": _ratio(prefill, request_time),
+                  "verification": _ratio(verification, request_time),
+                  "drafting_other": _ratio(rest, request_time)}
+        breakdown = {p: (s * wall if s is not None and wall else None) for p, s in shares.items()}
+        overhead = rest / steps if steps else None
+        t_draft = 0.0 if method in NO_DRAFT_COST_METHODS else overhead
+        out.update(source="vllm cost model", wall_seconds=wall, breakdown=breakdown,
+                   shares=shares, t_verify=t_verify, t_draft=t_draft, t_overhead=overhead)
+    t_verify, t_draft = out["t_verify"], out["t_draft"]
+    out["t_fwd_b"] = t1
+    # draft cost relative to a target forward (measured cost, n-gram included)
+    cost = out["t_draft"] if traces else out["t_overhead"]
+    out["draft_cost_relative"] = _ratio(cost, t1)
+    tps = out["tokens_per_step"]
+    predicted = oracle = no_waste = oracle_tps = None
+    if t1 and tps and t_verify:
+        predicted = tps * t1 / ((t_draft or 0.0) + t_verify)
+        oracle_steps = sum(math.ceil(r.tokens / (k + 1)) for r in reqs if r.tokens)
+        if oracle_steps:
+            oracle_tps = tokens / oracle_steps
+            oracle = oracle_tps * t1 / t_verify
+        verify_nw = model(b * tps) if (model and not traces) else t_verify * tps / (k + 1)
+        no_waste = tps * t1 / ((t_draft or 0.0) + verify_nw)
+    out.update(predicted_speedup=predicted, oracle_speedup=oracle,
+               oracle_tokens_per_step=oracle_tps, no_waste_speedup=no_waste,
+               engine_efficiency=_ratio(measured, predicted))
+    return out
+
+
+def analyse_run(cells: list[dict], baseline_cells: list[dict], method: str | None) -> list[dict]:
+    """analyse_cell for each drafter cell, with the cost model of its (task, temperature)
+    fitted on the baseline cells (baseline throughput from the same cells)."""
+    models = fit_cost_models(baseline_cells)
+    base_thr = {(c["task"], c["batch_size"], float(c["temperature"])): c.get("output_throughput")
+                for c in baseline_cells}
+    return [analyse_cell(c, models.get((c["task"], float(c["temperature"]))), method,
+                         base_thr.get((c["task"], c["batch_size"], float(c["temperature"]))))
+            for c in cells]
+
+
+# ----------------------------------------------------------------------------- combine
+
+def oracle_combine(drafter_records: dict[str, list[dict]], k: int, model: CostModel | None,
+                   batch_size: int, reference_outputs: dict | None = None,
+                   draft_costs: dict[str, float] | None = None) -> dict | None:
+    """The oracle combination of several drafters on one (task, batch size, temperature 0,
+    k): ``drafter_records`` maps a drafter to its cell's records. Requests are matched by
+    (prompt id, repetition); a request counts where every drafter that has it produced the
+    reference output (``reference_outputs``: the baseline's by prompt id; without it the
+    first drafter's). Returns tokens, combined steps, AL_combine, each drafter's tokens
+    per step on the same requests, and the speedup bound and hybrid speedup."""
+    per = {d: {rs.key: rs for rs in map(request_steps, recs)} for d, recs in drafter_records.items()}
+    if len(per) < 2:
+        return None
+    keys = sorted(set().union(*[set(v) for v in per.values()]), key=str)
+    tokens = steps_c = used = 0
+    own_steps = {d: 0 for d in per}
+    own_tokens = {d: 0 for d in per}
+    for key in keys:
+        have = {d: v[key] for d, v in per.items() if key in v}
+        if len(have) < 2:
+            continue
+        ref = (reference_outputs or {}).get(key[0])
+        if ref is None:
+            ref = next(iter(have.values())).output
+        have = {d: rs for d, rs in have.items() if rs.output == list(ref)}
+        if len(have) < 2:
+            continue
+        accs = {d: accepted_from(rs) for d, rs in have.items()}
+        first = min(rs.first for rs in have.values())
+        n = len(ref)
+        pos, s = first, 0
+        while pos < n:
+            m = min(max(a[pos] for a in accs.values()), k)
+            pos += m + 1
+            s += 1
+        used += 1
+        tokens += n - first
+        steps_c += s
+        for d, rs in have.items():
+            own_steps[d] += rs.steps
+            own_tokens[d] += rs.tokens
+    if not steps_c:
+        return None
+    al = tokens / steps_c
+    out = {"requests": used, "tokens": tokens, "steps": steps_c, "al_combine": al,
+           "drafter_tokens_per_step": {d: _ratio(own_tokens[d], own_steps[d])
+                                       for d in per if own_steps[d]},
+           "speedup_bound": None, "speedup_hybrid": None}
+    if model is not None:
+        t1, tv = model(batch_size), model(batch_size * (k + 1))
+        out["speedup_bound"] = al * t1 / tv
+        if draft_costs is not None:
+            out["speedup_hybrid"] = al * t1 / (tv + sum(v or 0.0 for v in draft_costs.values()))
+    return out
+
+
+# ----------------------------------------------------------------------------- protocol
+
+def speedup_by_batch(cells: list[dict], baseline_cells: list[dict]) -> dict[int, float]:
+    """{b: summed throughput over tasks / the baseline's on the same tasks}: each speedup
+    from cells of one drafter, k and temperature."""
+    out = {}
+    base = {(c["task"], c["batch_size"]): c for c in baseline_cells}
+    for b in sorted({c["batch_size"] for c in cells}):
+        mine = [c for c in cells if c["batch_size"] == b]
+        bs = [base.get((c["task"], b)) for c in mine]
+        if any(x is None for x in bs):
+            continue
+        thr = metrics.output_throughput(sum(c["generated_tokens"] for c in mine),
+                                        sum(c["wall_seconds"] for c in mine))
+        bthr = metrics.output_throughput(sum(x["generated_tokens"] for x in bs),
+                                         sum(x["wall_seconds"] for x in bs))
+        out[b] = metrics.speedup(thr, bthr)
+    return out
+
+
+def crossover(speedups: dict[int, float]) -> dict:
+    """{"measured": the smallest measured b with speedup < 1, "interpolated": where the
+    speedup crosses 1 between the last b at or above 1 and that one (linear in log2 b)}."""
+    pts = sorted((b, s) for b, s in speedups.items() if s is not None)
+    for i, (b, s) in enumerate(pts):
+        if s < 1:
+            interp = None
+            if i > 0:
+                b0, s0 = pts[i - 1]
+                x0, x1 = math.log2(b0), math.log2(b)
+                interp = 2 ** (x0 + (s0 - 1) / (s0 - s) * (x1 - x0))
+            return {"measured": b, "interpolated": interp}
+    return {"measured": None, "interpolated": None}
+
+
+def best_matrix(entries: list[dict], tasks, batch_sizes) -> dict[tuple, dict]:
+    """entries: {"drafter", "k", "task", "batch_size", "speedup"}; the best (drafter, k)
+    per (task, batch size), or the baseline when no speedup exceeds 1."""
+    out = {}
+    for t in tasks:
+        for b in batch_sizes:
+            cands = [e for e in entries if e["task"] == t and e["batch_size"] == b
+                     and e.get("speedup") is not None]
+            best = max(cands, key=lambda e: e["speedup"], default=None)
+            if best is None:
+                out[(t, b)] = None
+            elif best["speedup"] <= 1:
+                out[(t, b)] = {"drafter": None, "k": None, "speedup": 1.0,
+                               "best_drafter_speedup": best["speedup"],
+                               "runner_up": best["drafter"]}
+            else:
+                out[(t, b)] = {"drafter": best["drafter"], "k": best["k"],
+                               "speedup": best["speedup"]}
+    return out
+
+
+def normalise_mix(mix: dict[str, float]) -> dict[str, float]:
+    total = sum(w for w in mix.values() if w > 0)
+    if total <= 0:
+        raise ValueError("the task mix needs a positive weight")
+    return {t: w / total for t, w in mix.items() if w > 0}
+
+
+def nearest(value: int, choices) -> int:
+    return min(sorted(choices), key=lambda c: abs(c - value))
+
+
+def recommend(cells: list[dict], baseline_cells: list[dict], mix: dict[str, float],
+              batch_size: int) -> dict:
+    """cells: {"drafter", "k", "task", "batch_size", "output_throughput"} of one
+    temperature; baseline_cells the same without drafter/k. See the module docstring."""
+    w = normalise_mix(mix)
+    sizes = {c["batch_size"] for c in baseline_cells} | {c["batch_size"] for c in cells}
+    if not sizes:
+        return {"batch_size": None, "requested_batch_size": batch_size, "mix": w,
+                "options": [], "best": None}
+    b = nearest(batch_size, sizes)
+    base = {c["task"]: c["output_throughput"] for c in baseline_cells if c["batch_size"] == b}
+
+    def harmonic(thr: dict):
+        if any(not thr.get(t) for t in w):
+            return None
+        return 1.0 / sum(wt / thr[t] for t, wt in w.items())
+
+    base_mix = harmonic(base)
+    options = []
+    if base_mix:
+        options.append({"drafter": None, "k": 0, "throughput": base_mix, "speedup": 1.0,
+                        "speedup_min": 1.0, "speedup_max": 1.0, "per_task": {
+                            t: {"throughput": base[t], "speedup": 1.0} for t in w}})
+    groups: dict[tuple, dict] = {}
+    for c in cells:
+        if c["batch_size"] == b and c["task"] in w:
+            groups.setdefault((c["drafter"], c["k"]), {})[c["task"]] = c["output_throughput"]
+    for (d, k), thr in groups.items():
+        mix_thr = harmonic(thr)
+        if mix_thr is None:
+            continue
+        per_task = {t: {"throughput": thr[t],
+                        "speedup": metrics.speedup(thr[t], base.get(t))} for t in w}
+        sps = [v["speedup"] for v in per_task.values() if v["speedup"] is not None]
+        options.append({"drafter": d, "k": k, "throughput": mix_thr,
+                        "speedup": metrics.speedup(mix_thr, base_mix),
+                        "speedup_min": min(sps) if sps else None,
+                        "speedup_max": max(sps) if sps else None, "per_task": per_task})
+    options.sort(key=lambda o: -o["throughput"])
+    return {"batch_size": b, "requested_batch_size": batch_size, "mix": w,
+            "options": options, "best": options[0] if options else None}
+
+
+def pareto(points: list[dict]) -> list[dict]:
+    """points: {"cost", "al", ...}; returns them with "frontier": True/False (points with a
+    missing coordinate are never on it)."""
+    out = []
+    for p in points:
+        if p.get("cost") is None or p.get("al") is None:
+            out.append({**p, "frontier": False})
+            continue
+        dominated = any(q is not p and q.get("cost") is not None and q.get("al") is not None
+                        and q["cost"] <= p["cost"] and q["al"] >= p["al"]
+                        and (q["cost"] < p["cost"] or q["al"] > p["al"]) for q in points)
+        out.append({**p, "frontier": not dominated})
+    return out
+
+
+def definitions() -> list[tuple[str, str]]:
+    """(heading, paragraph) pairs of the module docstring's definitions, for the page."""
+    text = __doc__.split("Definitions\n-----------\n", 1)[1]
+    out = []
+    for para in text.strip().split("\n\n"):
+        para = " ".join(para.split()).replace("``", "")
+        para = re.sub(r"\*(\w[^*]*?\w)\*", r"\1", para)     # *emphasis*
+        head, sep, rest = para.partition(". ")
+        if sep and len(head) < 60:
+            out.append((head, rest))
+        else:
+            out.append(("", para))
+    return out
