@@ -235,7 +235,7 @@ def register_drafter(summary: dict, recipe: str, dataset: TrainingDataset, proto
             description=description, licence=f"as the target's ({dataset.target.name})", send=send,
             extra_fields=dict(trained_by_recipe=recipe, training_data=dataset,
                               training_data_sha256=dataset.sha256, training_seed=summary["seed"],
-                              training_seconds=round(summary["seconds"], 1),
+                              training_seconds=round(summary["seconds"], 3),
                               training_details=json.loads(json.dumps(details))))
     except SubmissionRefused as e:
         if e.existing is not None:

@@ -56,7 +56,7 @@ class TrainReport:
         return sum(self.losses[-n:]) / n if self.losses else None
 
     def to_dict(self):
-        return {"recipe": self.recipe, "steps": self.steps, "seconds": round(self.seconds, 1),
+        return {"recipe": self.recipe, "steps": self.steps, "seconds": round(self.seconds, 3),
                 "first_loss": self.first_loss, "final_loss": self.final_loss,
                 "tokens": self.tokens}
 
