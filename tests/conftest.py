@@ -23,6 +23,26 @@ def demo_target_dir() -> Path:
     return demo_target(data_dir(), progress=print)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The test machine is shared (2 cores, other suites running): with torch's default two
+    OpenMP threads, small kernels spin-wait for a busy core and run 10-100x slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def engine(demo_target_dir, one_torch_thread):
+    """The reference engine on the demo target, one per test module."""
+    from worker.engines.reference import ReferenceEngine
+
+    return ReferenceEngine(demo_target_dir)
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not SHARED_DATA.is_dir():

@@ -31,19 +31,8 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The test machine is shared (2 cores, other suites running): with torch's default two
-    # OpenMP threads, small kernels spin-wait for a busy core and run 10-100x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def engine(demo_target_dir):
-    return ReferenceEngine(demo_target_dir)
+# One torch thread for every test of this module (conftest.one_torch_thread).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 
 from worker.checkpoint import TargetFacts, Upload, validate_checkpoint
-from worker.engines.reference import ReferenceEngine
 from worker.proposers import make_proposer
 from worker.training import train_recipe
 from worker.training.data import (GenerationSettings, TrainingDataError, check_not_evaluation,
@@ -34,19 +33,8 @@ METHOD = {"draft_model": "draft_model", "eagle": "eagle", "eagle_multistep": "ea
           "medusa": "medusa"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The machine is shared: two OpenMP threads spin-wait for a busy core (see
-    # test_reference_engine.py).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def engine(demo_target_dir):
-    return ReferenceEngine(demo_target_dir)
+# One torch thread for every test of this module (conftest.one_torch_thread).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from worker.prompts import file_sha256
+
 SENTINEL = "\u2063SPECBOARD-USER-TURN\u2063"
 
 
@@ -41,14 +43,6 @@ def normalise(text: str) -> str:
 def text_sha256(text: str) -> str:
     """The hash evaluation prompts and training user turns are compared by."""
     return hashlib.sha256(normalise(text).encode("utf-8")).hexdigest()
-
-
-def file_sha256(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def check_not_evaluation(texts, forbidden: dict, where: str = "") -> None:
