@@ -420,17 +420,18 @@ class RunOut(Out):
     finished_at: Optional[datetime] = Field(description="when it finished")
 
 
-class RunPage(Out):
-    count: int = Field(description="runs matching the filters")
+class PageOut(Out):
+    """What every paginated answer has besides its items."""
+    count: int = Field(description="rows matching the filters")
     limit: int = Field(description="page size")
     offset: int = Field(description="rows skipped")
+
+
+class RunPage(PageOut):
     items: list[RunOut] = Field(description="this page")
 
 
-class DrafterPage(Out):
-    count: int = Field(description="drafters matching the filters")
-    limit: int = Field(description="page size")
-    offset: int = Field(description="rows skipped")
+class DrafterPage(PageOut):
     items: list[DrafterOut] = Field(description="this page")
 
 
@@ -513,10 +514,7 @@ class ResultOut(Out):
                                                               "sampling and other overhead")
 
 
-class ResultPage(Out):
-    count: int = Field(description="rows matching the filters")
-    limit: int = Field(description="page size")
-    offset: int = Field(description="rows skipped")
+class ResultPage(PageOut):
     items: list[ResultOut] = Field(description="this page")
 
 

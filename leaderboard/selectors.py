@@ -14,15 +14,21 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from collections import Counter, defaultdict
 
-from django.db.models import Count, Exists, ExpressionWrapper, F, FloatField, Max, OuterRef, Q, Sum
+from django.conf import settings as _settings
+from django.core.cache import cache as _cache
+from django.db import connection
+from django.db.models import (Count, Exists, ExpressionWrapper, F, FloatField, Func, Max, OuterRef,
+                              Q, Sum, TextField, Value)
+from django.db.models.functions import Cast, Coalesce
 from django.urls import reverse
 
 import worker.protocol
-from worker import metrics
+from worker import analysis, metrics
 
-from .models import ApiToken, Drafter, Prompt, PromptSet, Protocol, Result, Run
+from .models import ApiToken, Drafter, Prompt, PromptSet, Protocol, Result, Run, Target
 
 HIDDEN_REVIEW_STATES = ("withdrawn", "rejected")
 ALL = "all"
@@ -654,18 +660,10 @@ def user_drafters(user) -> list[dict]:
             Drafter.objects.filter(owner=user).select_related("owner").order_by("-created_at")]
 
 
-
-
 # --- API reads ---
 # What the REST API (leaderboard/api.py) and its export read beyond the page selectors
 # above. Rows reuse the page shapes (protocol_summary, drafter_summary, run_summary,
 # CELL_FIELDS), so a page and the API show the same fields under the same names.
-
-from django.db import connection  # noqa: E402
-from django.db.models import Func, TextField, Value  # noqa: E402
-from django.db.models.functions import Cast, Coalesce  # noqa: E402
-
-from .models import Target  # noqa: E402
 
 RESULT_PROVENANCE = (
     "id", "run_id", "protocol", "protocol_version", "protocol_sha256", "target", "engine",
@@ -901,13 +899,6 @@ def results_page(qs, limit: int, offset: int) -> tuple[int, list[dict]]:
 # The analyses of worker.analysis on the runs' raw per-request records (read through the
 # storage: runs/<id>/cells/*.jsonl.gz). A succeeded run never changes, so what comes out is
 # kept in Django's cache under the ids (and queue times) of the runs it was computed from.
-
-import logging  # noqa: E402
-
-from django.conf import settings as _settings  # noqa: E402
-from django.core.cache import cache as _cache  # noqa: E402
-
-from worker import analysis  # noqa: E402
 
 _log = logging.getLogger(__name__)
 ANALYSIS_VERSION = 1
