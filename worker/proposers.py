@@ -42,6 +42,17 @@ class Draft(NamedTuple):
     probs: torch.Tensor | None = None  # [len(tokens), target vocab]; None: deterministic
 
 
+def draft_token(logits, temperature, generator, probs: list) -> int:
+    """One drafted token from a proposer's logits: the argmax at temperature 0, else a
+    sample from q = softmax(logits / T), with q appended to ``probs`` for rejection
+    sampling."""
+    if temperature == 0:
+        return int(logits.argmax())
+    q = torch.softmax(logits / temperature, dim=-1)
+    probs.append(q)
+    return int(torch.multinomial(q, 1, generator=generator))
+
+
 class NgramProposer:
     """Prompt lookup: find the longest n-gram (prompt_lookup_max down to prompt_lookup_min
     tokens) that ends the context and also occurs earlier in it, and propose the tokens that
@@ -119,12 +130,7 @@ class DraftModelProposer:
             logits = self._to_target_vocab(logits)
             step_tokens = []
             for i, row_logits in zip(live, logits):
-                if self.temperature == 0:
-                    token = int(row_logits.argmax())
-                else:
-                    q = torch.softmax(row_logits / self.temperature, dim=-1)
-                    token = int(torch.multinomial(q, 1, generator=generators[i]))
-                    probs[i].append(q)
+                token = draft_token(row_logits, self.temperature, generators[i], probs[i])
                 tokens[i].append(token)
                 step_tokens.append(token)
             # Only sequences that want more drafts run the next draft forward.
@@ -216,12 +222,7 @@ class EagleProposer:
             logits = self.lm_head(feature.to(self.lm_head.weight.dtype)).float()
             step = []
             for j, i in enumerate(live):
-                if self.temperature == 0:
-                    token = int(logits[j].argmax())
-                else:
-                    q = torch.softmax(logits[j] / self.temperature, dim=-1)
-                    token = int(torch.multinomial(q, 1, generator=generators[i]))
-                    probs[i].append(q)
+                token = draft_token(logits[j], self.temperature, generators[i], probs[i])
                 tokens[i].append(token)
                 step.append(token)
             keep = [j for j, i in enumerate(live) if len(tokens[i]) < num_tokens[i]]
