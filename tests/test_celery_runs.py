@@ -14,7 +14,8 @@ from .conftest import purge_queue
 pytestmark = [pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
 
 
-def tiny_protocol(target_dir, shared_data, slug="tiny", batch_sizes=(1, 2), prompts=2):
+def tiny_protocol(target_dir, shared_data, slug="tiny", batch_sizes=(1, 2), prompts=2,
+                  max_new_tokens=16):
     target, _ = services.ensure_target("smollm2", "SmolLM2-135M-Instruct", target_dir)
     qa, _ = services.import_prompt_set(shared_data / "eagle" / "qa.jsonl", "spec-bench", slug="qa")
     code, _ = services.import_prompt_set(shared_data / "eagle" / "humaneval.jsonl", "spec-bench",
@@ -24,7 +25,7 @@ def tiny_protocol(target_dir, shared_data, slug="tiny", batch_sizes=(1, 2), prom
         engine="vllm", hardware="cpu",
         tasks=(TaskSpec("qa", "qa", qa.source_sha256, prompts),
                TaskSpec("code", "eagle-humaneval", code.source_sha256, prompts)),
-        temperatures=(0.0,), max_new_tokens=16, seed=0, batch_sizes=batch_sizes, ks=(3,),
+        temperatures=(0.0,), max_new_tokens=max_new_tokens, seed=0, batch_sizes=batch_sizes, ks=(3,),
         warmup_requests=1)
     protocol, _ = services.ensure_protocol(spec, target)
     ngram = Drafter.objects.create(slug="ngram", name="n-gram", method="ngram", target=target,
@@ -45,12 +46,12 @@ def wait_for_state(run, states, seconds=600, worker=None):
                 f"{worker.output()[-4000:] if worker else ''}")
 
 
-def wait_for_cells(run, n, seconds=600):
+def wait_for_cells(run, n, seconds=600, poll_s=0.5):
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if Result.objects.filter(run=run).count() >= n:
             return
-        time.sleep(0.5)
+        time.sleep(poll_s)
     pytest.fail(f"run {run.pk} did not reach {n} cells")
 
 
@@ -109,10 +110,14 @@ def test_baseline_and_ngram_measured_through_celery(demo_target_dir, shared_data
 def test_killed_worker_run_finishes_with_every_cell_once(demo_target_dir, shared_data,
                                                          celery_worker_factory):
     purge_queue("cpu")
-    protocol, _ = tiny_protocol(demo_target_dir, shared_data, batch_sizes=(1, 2, 4))
+    # Longer cells than the other tests' (3 prompts of 48 tokens, several seconds each), and
+    # a kill as soon as the first cell lands, so that the kill falls mid-run on a fast
+    # machine too (16-token cells once all finished between two polls).
+    protocol, _ = tiny_protocol(demo_target_dir, shared_data, batch_sizes=(1, 2, 4), prompts=3,
+                                max_new_tokens=48)
     run = runs.queue_run(protocol, None)
     first = celery_worker_factory(SPECBOARD_RUN_STALE_AFTER_S=8)
-    wait_for_cells(run, 2)
+    wait_for_cells(run, 1, poll_s=0.05)
     measured_before = dict(((r.task, r.batch_size), r.measured_at)
                            for r in Result.objects.filter(run=run))
     first.kill()  # SIGKILL, mid-run
