@@ -18,10 +18,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from worker.proposers import PROPOSERS, WEIGHTED, make_proposer
+
 log = logging.getLogger(__name__)
 
-# Methods the reference engine runs (worker.proposers.PROPOSERS); imported lazily there.
-SUPPORTED_METHODS = ("ngram", "draft_model")
+# The methods the reference engine runs: ngram, draft_model, eagle (EAGLE-1 head), medusa.
+# Others (eagle3, mtp) are measured by vLLM only; the demo lists none of them.
+SUPPORTED_METHODS = tuple(PROPOSERS)
 DEMO_DTYPE = "float32"
 
 
@@ -88,7 +91,8 @@ def prompt_text(prompt_id) -> str:
 # ---- files ------------------------------------------------------------------------------
 
 def check_checkpoint(path, what: str) -> Path:
-    """The folder of a Llama checkpoint the reference engine can load, or a DemoError."""
+    """A checkpoint folder the reference engine can load (config.json and safetensors: a
+    Llama target or draft model, an EAGLE or Medusa head), or a DemoError."""
     if not path:
         raise DemoError(f"{what} has no checkpoint folder set.")
     folder = Path(path)
@@ -137,7 +141,8 @@ def resolve_drafter(drafter_slug, target_slug) -> DrafterChoice:
         raise DemoError(f"drafter {d.name} is for target {d.target.name}, not {target_slug}.")
     if d.method not in SUPPORTED_METHODS:
         raise DemoError(f"drafter {d.name}: the demo's reference engine does not run "
-                        f"{d.method} drafters (it runs {', '.join(SUPPORTED_METHODS)}).")
+                        f"{d.method} drafters (it runs {', '.join(SUPPORTED_METHODS)}); "
+                        f"the leaderboard measures {d.method} with vLLM.")
     path = None
     if d.files.exists():
         try:
@@ -145,7 +150,7 @@ def resolve_drafter(drafter_slug, target_slug) -> DrafterChoice:
         except (OSError, ValueError) as e:
             raise DemoError(f"drafter {d.name}: its files cannot be read from the storage "
                             f"({type(e).__name__}: {e}).") from e
-    if d.method == "draft_model":
+    if d.method in WEIGHTED:
         check_checkpoint(path, f"drafter {d.name}")
     params = tuple(sorted((k, json.dumps(v)) for k, v in (d.params or {}).items()))
     return DrafterChoice(d.slug, d.name, d.method, path, params)
@@ -193,14 +198,15 @@ def get_engine(folder):
 
 
 def get_proposer(choice: DrafterChoice):
-    from worker.proposers import PROPOSERS, make_proposer
-
+    """The drafter's proposer, loaded once: its parameters that the proposer takes (the
+    others are vLLM settings), and a weighted drafter's checkpoint in float32 on the CPU."""
     key = (choice.method, choice.path, choice.params)
     if key not in _proposers:
         params = {k: json.loads(v) for k, v in choice.params}
         accepted = inspect.signature(PROPOSERS[choice.method].__init__).parameters
-        params = {k: v for k, v in params.items() if k in accepted and k not in ("self", "path")}
-        if choice.method == "draft_model":
+        params = {k: v for k, v in params.items()
+                  if k in accepted and k not in ("self", "path", "dtype", "device")}
+        if choice.method in WEIGHTED:
             params.update(dtype=DEMO_DTYPE, device="cpu")
         try:
             _proposers[key] = make_proposer(choice.method, choice.path, **params)

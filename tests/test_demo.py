@@ -1,6 +1,7 @@
 """The live demo: the step -> highlight conversion and counters on a real generation of the
-demo target, the checks that give a person a clear message, the site's demo page, and the
-Gradio app itself in headless Chromium.
+demo target, EAGLE and Medusa drafters trained and registered as train_drafter does them
+running losslessly, the checks that give a person a clear message, the site's demo page,
+and the Gradio app itself in headless Chromium.
 
 This file runs in the main environment, which has no gradio (vllm needs pillow >= 13,
 gradio < 13): it imports only leaderboard.demo_trace / demo_engine, and the browser test
@@ -22,12 +23,16 @@ from django.test import RequestFactory
 from leaderboard import demo_engine as de
 from leaderboard.demo_trace import (ACCEPTED, BONUS, CORRECTED, TARGET, TraceView, counters,
                                     counters_markdown, step_counts, step_labels)
-from leaderboard.models import Drafter, DrafterFile, Prompt, PromptSet, Target
+from leaderboard.models import Drafter, DrafterFile, Prompt, PromptSet, Target, TrainingDataset
+from leaderboard.training import register_drafter
 from worker import metrics
 from worker.engines.reference import StepTrace
 from worker.proposers import make_proposer
 
 from .conftest import ROOT, database_url_for_subprocess
+# The training tests' cheap set-up: four conversations of the target, a recipe trained on
+# them in a few steps, and a site with the target and a protocol (fixtures).
+from .test_training import PROMPTS, dataset, site, target, train  # noqa: F401
 
 EOS = 2
 # Greedy SmolLM2 repeats this sentence, so prompt lookup finds drafts the target accepts.
@@ -97,6 +102,12 @@ def test_counters_without_drafts_or_time_are_empty_not_zero():
 @pytest.fixture(scope="module")
 def demo_engine_loaded(demo_target_dir):
     return de.get_engine(demo_target_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(demo_engine_loaded, one_torch_thread):
+    """The demo's own engine (one thread), which the training fixtures use too."""
+    return demo_engine_loaded
 
 
 def test_a_real_generation_streams_steps_that_become_highlights_and_counters(demo_engine_loaded):
@@ -203,9 +214,14 @@ def test_missing_target_or_drafter_files_give_a_clear_message(tmp_path, settings
     f.file.storage.delete(f.file.name)  # the storage lost it
     with pytest.raises(de.DemoError, match="lost draft: its files cannot be read"):
         de.resolve_drafter("lost", target.slug)
-    Drafter.objects.create(slug="eagle", name="an eagle", method="eagle", target=target)
-    with pytest.raises(de.DemoError, match="does not run eagle drafters"):
-        de.resolve_drafter("eagle", target.slug)
+    Drafter.objects.create(slug="medusa", name="some heads", method="medusa", target=target)
+    with pytest.raises(de.DemoError, match="some heads has no checkpoint folder"):
+        de.resolve_drafter("medusa", target.slug)
+    for method in ("eagle3", "mtp"):
+        Drafter.objects.create(slug=method, name=f"a {method}", method=method, target=target)
+        with pytest.raises(de.DemoError, match=rf"a {method}: the demo's reference engine does "
+                                               rf"not run {method} drafters .*with vLLM"):
+            de.resolve_drafter(method, target.slug)
     with pytest.raises(de.DemoError, match="There is no target"):
         de.target_folder("nope")
 
@@ -215,10 +231,15 @@ def test_choices_offer_runnable_drafters_and_prompts_by_set_and_category(tmp_pat
     target = make_target(tmp_path)
     Drafter.objects.create(slug="ng", name="ngram", method="ngram", target=target)
     Drafter.objects.create(slug="dm", name="draft", method="draft_model", target=target)
+    Drafter.objects.create(slug="eg", name="eagle head", method="eagle", target=target)
+    Drafter.objects.create(slug="md", name="medusa heads", method="medusa", target=target)
     Drafter.objects.create(slug="e3", name="eagle3", method="eagle3", target=target)
+    Drafter.objects.create(slug="mt", name="mtp", method="mtp", target=target)
     Drafter.objects.create(slug="rj", name="rejected", method="ngram", target=target,
                            review_state="rejected")
-    assert [slug for _, slug in de.drafter_choices(target.slug)] == ["dm", "ng"]
+    assert de.drafter_choices(target.slug) == [
+        ("draft [draft_model]", "dm"), ("eagle head [eagle]", "eg"),
+        ("medusa heads [medusa]", "md"), ("ngram [ngram]", "ng")]
     ps = PromptSet.objects.create(slug="mt", name="MT-Bench", format="mt-bench",
                                   source_name="q.jsonl", source_sha256="0" * 64)
     for i, cat in enumerate(["writing", "math", "writing"]):
@@ -229,6 +250,46 @@ def test_choices_offer_runnable_drafters_and_prompts_by_set_and_category(tmp_pat
     choices = de.prompts_in_group("mt/writing")
     assert [label for label, _ in choices] == ["#81: question 0", "#83: question 2"]
     assert de.prompt_text(choices[1][1]) == "question 2"
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_trained_heads_are_offered_and_decode_losslessly_in_the_demo(method, site, dataset, train,
+                                                                     tmp_path):
+    """A head trained as `train_drafter` does (few steps, overfitted on four conversations)
+    and registered like it goes through the demo's own path: the picker, the files copied
+    out of the storage, the proposer, the stream; greedy output equals the target's."""
+    target_row, protocol = site
+    data_path, data_sha = dataset
+    data = TrainingDataset.objects.create(slug="tiny-chat", target=target_row, sha256=data_sha,
+                                          n=len(PROMPTS), source=data_path.name,
+                                          path=str(data_path))
+    summary = train(method, tmp_path / method, 20, lr=2e-3)
+    drafter, _ = register_drafter(summary, method, data, protocol, send=False)
+    assert (f"{drafter.name} [{method}]", drafter.slug) in de.drafter_choices(target_row.slug)
+
+    engine = de.get_engine(de.target_folder(target_row.slug))
+    choice = de.resolve_drafter(drafter.slug, target_row.slug)
+    assert choice.method == method and Path(choice.path, "model.safetensors").is_file()
+    proposer = de.get_proposer(choice)
+    assert de.get_proposer(choice) is proposer and proposer.method == method
+    max_new_tokens, k = 16, 3
+    prompt_ids = de.encode_prompt(engine, PROMPTS[1], max_new_tokens, k, max_prompt_tokens=2048)
+    updates = list(de.stream_generation(engine, prompt_ids, proposer, k, max_new_tokens,
+                                        temperature=0.0))
+    result = updates[-1].result
+    assert result is not None and updates[-1].error is None
+    assert result.output_ids == de.plain_decoding(engine, prompt_ids, max_new_tokens).output_ids
+    view = TraceView(decode=engine.decode, token_text=lambda t: de.token_text(engine, t),
+                     eos_ids=frozenset(engine.eos_ids))
+    for update in updates:
+        for t in update.traces:
+            view.add(t)
+    counts = view.counts()
+    # Overfitted on this conversation, the head drafts tokens the target accepts.
+    assert counts.drafts > 0 and counts.draft_tokens >= counts.drafts
+    assert counts.accepted_tokens > 0, [(s.drafted, s.accepted) for s in result.steps]
+    assert ACCEPTED in [label for _, label in view.highlighted()]
 
 
 def test_demo_page_embeds_the_gradio_app(settings):
