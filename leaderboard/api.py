@@ -500,7 +500,7 @@ class ResultOut(Out):
                                                          "(from the raw records; null "
                                                          "without them and for the baseline)")
     predicted_speedup: Optional[float] = Field(description="tokens per step x t_fwd(b) / "
-                                                           "(draft cost + t_fwd(b(k+1))), "
+                                                           "(draft cost + t_fwd(b, k+1)), "
                                                            "cost model of the baseline run")
     engine_efficiency: Optional[float] = Field(description="measured speedup / predicted")
     oracle_speedup: Optional[float] = Field(description="speedup if every step proposed "

@@ -901,7 +901,7 @@ def results_page(qs, limit: int, offset: int) -> tuple[int, list[dict]]:
 # kept in Django's cache under the ids (and queue times) of the runs it was computed from.
 
 _log = logging.getLogger(__name__)
-ANALYSIS_VERSION = 1
+ANALYSIS_VERSION = 2
 ANALYSIS_CACHE_SECONDS = 7 * 24 * 3600
 
 
@@ -938,6 +938,15 @@ def _with_records(run_id, cells):
     return [{**c, "records": cell_records(run_id, c)} for c in cells]
 
 
+def baseline_for_cost_model(run_id, cells):
+    """A baseline run's cells as the cost model reads them: the batch-size-1 cells with
+    their records (the prefill slope), the others' TPOT alone."""
+    if run_id is None:
+        return cells
+    return [{**c, "records": cell_records(run_id, c)} if c["batch_size"] == 1 else c
+            for c in cells]
+
+
 def _analyse(run_id, cells_with_records, baseline_cells, method):
     """analysis.analyse_run; records that do not have the expected shape are logged and
     left out (the cells' stored figures still show), never a failed page."""
@@ -968,8 +977,9 @@ def run_analysis(run_id: int, cells: list[dict], baseline_run_id: int | None,
     """worker.analysis.analyse_run on a run's cells and its baseline's, with the records read
     from the storage. Cached under cache_key (the runs' ids and queue times) when given:
     only for succeeded runs, whose records never change."""
-    def build():   # the baseline's cost model needs its cells' TPOT, not its records
-        return _analyse(run_id, _with_records(run_id, cells), baseline_cells, method)
+    def build():
+        return _analyse(run_id, _with_records(run_id, cells),
+                        baseline_for_cost_model(baseline_run_id, baseline_cells), method)
     if cache_key is None:
         return build()
     return _cached(("run", cache_key), build)
@@ -1122,11 +1132,13 @@ def _protocol_pays(protocol, temperature, tasks, batch_sizes, ks, drafter_runs, 
                 "speedup": m["speedup"],
                 "best_drafter_speedup": m.get("best_drafter_speedup", m["speedup"])})
         matrix_rows.append(row)
-    combine = []
+    combine, combine_models = [], {}
+    if baselines and combine_inputs:
+        base_id = next(iter(baselines.values()))["id"]
+        combine_models = analysis.fit_cost_models(
+            baseline_for_cost_model(base_id, by_run.get(base_id, [])))
     for (t, b, k), recs in sorted(combine_inputs.items()):
-        model = analysis.fit_cost_models(
-            [c for c in by_run.get(next(iter(baselines.values()))["id"], [])
-             if c["task"] == t]).get((t, temperature)) if baselines else None
+        model = combine_models.get((t, float(temperature)))
         try:
             res = analysis.oracle_combine(recs, k, model, b, base_outputs.get((t, b)))
         except (KeyError, TypeError, ValueError, ArithmeticError) as e:

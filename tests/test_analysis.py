@@ -108,6 +108,36 @@ def test_the_cost_model_recovers_the_targets_forward_time_from_the_baseline():
     assert falling.c1 == 0.0 and falling.c0 == pytest.approx(0.02)
 
 
+def test_the_baselines_prefills_give_the_cost_of_each_further_token_of_a_sequence():
+    c_tok = 0.0002          # a prompt token of a prefill costs a fifth of a decode sequence
+    base = baseline_cells()
+    for c in base:
+        if c["batch_size"] == 1:
+            for i, r in enumerate(c["records"]):
+                r["prompt_tokens"] = 10 + 40 * i
+                r["ttft"] = 0.005 + c_tok * r["prompt_tokens"]
+    m = analysis.fit_cost_models(base)[("chat", 0.0)]
+    assert (m.c0, m.c1, m.c_tok) == (pytest.approx(C0), pytest.approx(C1), pytest.approx(c_tok))
+    assert m.to_dict()["c_tok_from"] == "prefill slope over 2 requests"
+    assert m(8) == pytest.approx(t_fwd(8))                       # a decode step, q = 1
+    assert m(2, K + 1) == pytest.approx(C0 + 2 * C1 + 2 * K * c_tok)
+    # a drafter cell's verification costs t_fwd(b, k+1) of that model, not t_fwd(b(k+1))
+    cells = with_speedup(drafter_cells(GOOD, 0.003), base)
+    a = next(r for r in analysis.analyse_run(cells, base, "draft_model") if r["batch_size"] == 2)
+    tv = C0 + 2 * C1 + 2 * K * c_tok
+    assert a["t_verify"] == pytest.approx(tv) and tv < t_fwd(2 * (K + 1))
+    # these records took t_fwd(8) per step to verify: the model's smaller verification
+    # leaves the difference in the measured remainder (drafting, rejection sampling, other)
+    assert a["t_draft"] == pytest.approx(0.003 + t_fwd(8) - tv)
+    assert a["predicted_speedup"] == pytest.approx((14 / 6) * t_fwd(2) / (0.003 + t_fwd(8)))
+    # no slope (one prompt length, or TTFT falling with the prompt): each token costs c1
+    assert analysis.prefill_slope([{"prompt_tokens": 5, "ttft": 0.01}] * 3) == (None, 0)
+    falling = [{"prompt_tokens": 10, "ttft": 0.02}, {"prompt_tokens": 50, "ttft": 0.01}]
+    assert analysis.prefill_slope(falling) == (None, 0)
+    plain = analysis.fit_cost_models(baseline_cells())[("chat", 0.0)]
+    assert plain.c_tok is None and plain(2, K + 1) == pytest.approx(t_fwd(2 * (K + 1)))
+
+
 def test_a_vllm_cell_breakdown_bounds_and_efficiency_equal_the_hand_computed_values():
     base = baseline_cells()
     cells = with_speedup(drafter_cells(GOOD, 0.003), base)

@@ -24,15 +24,26 @@ steps: the acceptance length counted over every decode step, equal to AL when ev
 drafted.
 
 Cost model (vLLM runs). vLLM's counters give no phase times, so the target's forward time
-is fitted on the baseline run of the same protocol, hardware class and engine version: for
-each (task, temperature) the decode step time of the baseline cell at batch size b is its
-mean TPOT (one token per step per request), and t_fwd(n) = c0 + c1 * n is fitted by least
-squares over the baseline's batch sizes, n = tokens per step = b (per task and temperature,
-not pooled; c0, c1 >= 0; with a single batch size the model is the constant t_fwd = TPOT).
-A drafter cell (b, k) then costs t_fwd(b * (k + 1)) per decode step for verification.
+is fitted on the baseline run of the same protocol, hardware class and engine version, as a
+function of the batch size b and the tokens q each sequence brings to the step:
+t_fwd(b, q) = c0 + c1 * b + c_tok * b * (q - 1). Per (task, temperature), not pooled:
+- c0 and c1 from decode steps (q = 1): the decode step time of the baseline cell at batch
+  size b is its mean TPOT (one token per step per request), and c0 + c1 * b is fitted by
+  least squares over the baseline's batch sizes (c0, c1 >= 0; with a single batch size the
+  constant TPOT);
+- c_tok, the cost of each further token of a sequence in one step, from prefills: the
+  slope of TTFT against prompt tokens over the baseline's batch-size-1 requests (one
+  prefill of the prompt per step, nothing queued before it), by least squares. Without two
+  distinct prompt lengths, or with a slope <= 0, c_tok = c1 (the model is then
+  t_fwd(b * q)).
+A drafter cell (b, k) then costs t_verify = t_fwd(b, k + 1) per decode step for verification,
+and t_fwd(b) = t_fwd(b, 1) is a plain decode step. (A line in b * q alone, fitted on decode
+steps, charges each drafted token what a whole sequence costs in a decode step: on the CPU,
+where a decode step's cost grows with the sequences in it far more than with their
+tokens, that overstated verification several-fold.)
 
 Time breakdown. vLLM cells: over the cell's requests, *prefill and waiting* = sum of TTFT,
-*verification* = sum over requests of decode steps x t_fwd(b(k+1)), and *drafting,
+*verification* = sum over requests of decode steps x t_fwd(b, k+1), and *drafting,
 rejection sampling and other* = the rest of the measured decode time (sum of latency - TTFT);
 vLLM cannot separate drafting from rejection sampling and scheduling overhead, so they are
 one share (for n-gram, whose proposer is a CPU lookup, it is engine overhead rather than
@@ -47,7 +58,7 @@ step; vLLM, the measured remainder (drafting, rejection sampling, other) per dec
 weighted drafters (an upper bound of the drafting cost), and 0 for n-gram (no forward pass).
 
 Predicted speedup and engine efficiency. Predicted speedup = tokens per step x t_fwd(b) / (t_draft + t_verify), t_verify =
-t_fwd(b(k+1)) (vLLM) or the measured verification time per batch step (reference engine).
+t_fwd(b, k+1) (vLLM) or the measured verification time per batch step (reference engine).
 Engine efficiency = measured speedup / predicted speedup.
 
 Oracle speedup. Every decode step proposes exactly the tokens the target goes on to emit, up
@@ -55,7 +66,7 @@ to k, all accepted, at no draft cost, so a request with m decode tokens takes ce
 steps; speedup = sum m x t_fwd(b) / (sum ceil(m / (k+1)) x t_verify), the baseline time
 predicted by the same model. It is at least the predicted speedup, because no request needs
 more oracle steps than the steps it took. *No-waste* variant: the drafter's own steps, each
-verifying only the accepted tokens + 1 (t_fwd(b x tokens per step)), with its draft cost.
+verifying only the accepted tokens + 1 (t_fwd(b, tokens per step)), with its draft cost.
 
 Oracle combine. At temperature 0, for drafters of one protocol and k on the same requests
 (outputs equal to the baseline's or, without it, to each other): walking an output from the first
@@ -63,7 +74,7 @@ decode position, at each position take the largest number of tokens any drafter 
 there (from a step that started there, or the rest of an accepted span that covered it),
 emit those plus the target's token, and step on. AL_combine = decode tokens / combined steps
 is at least each drafter's tokens per step on the same requests (the furthest reach at every
-step). Speedup bound = tokens x t_fwd(b) / (steps x t_fwd(b(k+1))): no draft cost, so an
+step). Speedup bound = tokens x t_fwd(b) / (steps x t_fwd(b, k+1)): no draft cost, so an
 upper bound of what a hybrid of these drafters could give (``oracle_combine`` also gives the
 speedup with the drafters' summed draft cost per step when it is passed those costs).
 
@@ -89,6 +100,7 @@ higher-or-equal AL, one of them strictly.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -102,19 +114,37 @@ NO_DRAFT_COST_METHODS = ("ngram",)
 
 @dataclass(frozen=True)
 class CostModel:
-    """t_fwd(n) = c0 + c1 * n seconds for a forward of n tokens per step."""
+    """t_fwd(b, q) = c0 + c1 * b + c_tok * b * (q - 1) seconds for a forward of b sequences
+    with q tokens each (c_tok None: c1, the model of a line in b * q)."""
 
     c0: float
     c1: float
-    points: tuple = ()          # (batch size, measured step time)
+    points: tuple = ()          # (batch size, measured decode step time)
     kind: str = "least squares"
+    c_tok: float | None = None
+    prefill_points: int = 0     # baseline requests the c_tok slope was fitted on
 
-    def __call__(self, n) -> float:
-        return self.c0 + self.c1 * n
+    @property
+    def per_token(self) -> float:
+        return self.c1 if self.c_tok is None else self.c_tok
+
+    def __call__(self, b, q=1) -> float:
+        return self.c0 + self.c1 * b + self.per_token * b * (q - 1)
 
     def to_dict(self):
-        return {"c0": self.c0, "c1": self.c1, "kind": self.kind,
+        return {"c0": self.c0, "c1": self.c1, "c_tok": self.per_token, "kind": self.kind,
+                "c_tok_from": (f"prefill slope over {self.prefill_points} requests"
+                               if self.c_tok is not None else "c1 (no prefill slope)"),
                 "points": [list(p) for p in self.points]}
+
+
+def _least_squares(pts):
+    """(intercept, slope) of t = a + s n over (n, t) points with two distinct n or more."""
+    mean_n = sum(n for n, _ in pts) / len(pts)
+    mean_t = sum(t for _, t in pts) / len(pts)
+    sxx = sum((n - mean_n) ** 2 for n, _ in pts)
+    slope = sum((n - mean_n) * (t - mean_t) for n, t in pts) / sxx
+    return mean_t - slope * mean_n, slope
 
 
 def fit_line(points) -> CostModel | None:
@@ -123,20 +153,28 @@ def fit_line(points) -> CostModel | None:
     pts = sorted((float(n), float(t)) for n, t in points if t is not None and t > 0)
     if not pts:
         return None
-    ns = {n for n, _ in pts}
     mean_t = sum(t for _, t in pts) / len(pts)
-    if len(ns) == 1:
+    if len({n for n, _ in pts}) == 1:
         return CostModel(mean_t, 0.0, tuple(pts), "constant (one batch size)")
-    mean_n = sum(n for n, _ in pts) / len(pts)
-    sxx = sum((n - mean_n) ** 2 for n, _ in pts)
-    c1 = sum((n - mean_n) * (t - mean_t) for n, t in pts) / sxx
-    c0 = mean_t - c1 * mean_n
+    c0, c1 = _least_squares(pts)
     if c1 < 0:
         return CostModel(mean_t, 0.0, tuple(pts), "constant (negative slope)")
     if c0 < 0:
         c1 = sum(n * t for n, t in pts) / sum(n * n for n, _ in pts)
         return CostModel(0.0, c1, tuple(pts), "through the origin (negative intercept)")
     return CostModel(c0, c1, tuple(pts))
+
+
+def prefill_slope(records) -> tuple[float | None, int]:
+    """(seconds per prompt token, requests used): the least-squares slope of TTFT against
+    prompt tokens over batch-size-1 requests; None without two prompt lengths or when
+    the slope is not positive."""
+    pts = [(float(r["prompt_tokens"]), float(r["ttft"])) for r in records
+           if r.get("prompt_tokens") and r.get("ttft") is not None and r["ttft"] > 0]
+    if len({n for n, _ in pts}) < 2:
+        return None, 0
+    _, slope = _least_squares(pts)
+    return (slope, len(pts)) if slope > 0 else (None, 0)
 
 
 def step_time(cell) -> float | None:
@@ -150,12 +188,23 @@ def step_time(cell) -> float | None:
 
 
 def fit_cost_models(baseline_cells) -> dict[tuple, CostModel]:
-    """{(task, temperature): CostModel} from the baseline run's cells."""
+    """{(task, temperature): CostModel} from the baseline run's cells (the prefill slope
+    from the records of its batch-size-1 cells, where they carry records)."""
     groups: dict[tuple, list] = {}
+    prefills: dict[tuple, list] = {}
     for c in baseline_cells:
-        groups.setdefault((c["task"], float(c["temperature"])), []).append(
-            (c["batch_size"], step_time(c)))
-    return {key: m for key, pts in groups.items() if (m := fit_line(pts)) is not None}
+        key = (c["task"], float(c["temperature"]))
+        groups.setdefault(key, []).append((c["batch_size"], step_time(c)))
+        if c["batch_size"] == 1:
+            prefills.setdefault(key, []).extend(c.get("records") or [])
+    models = {}
+    for key, pts in groups.items():
+        model = fit_line(pts)
+        if model is None:
+            continue
+        c_tok, n = prefill_slope(prefills.get(key, []))
+        models[key] = dataclasses.replace(model, c_tok=c_tok, prefill_points=n)
+    return models
 
 
 # ----------------------------------------------------------------------------- requests
@@ -329,7 +378,7 @@ def analyse_cell(cell: dict, model: CostModel | None, method: str | None = None,
                        oracle_speedup=None, oracle_tokens_per_step=None,
                        no_waste_speedup=None, draft_cost_relative=None)
             return out
-        t_verify = model(b * (k + 1))
+        t_verify = model(b, k + 1)
         decode_time = sum(r.decode_time or 0.0 for r in reqs)
         prefill = sum(r.ttft or 0.0 for r in reqs)
         verification = steps * t_verify
@@ -358,7 +407,7 @@ def analyse_cell(cell: dict, model: CostModel | None, method: str | None = None,
         if oracle_steps:
             oracle_tps = tokens / oracle_steps
             oracle = oracle_tps * t1 / t_verify
-        verify_nw = model(b * tps) if (model and not traces) else t_verify * tps / (k + 1)
+        verify_nw = model(b, tps) if (model and not traces) else t_verify * tps / (k + 1)
         no_waste = tps * t1 / ((t_draft or 0.0) + verify_nw)
     out.update(predicted_speedup=predicted, oracle_speedup=oracle,
                oracle_tokens_per_step=oracle_tps, no_waste_speedup=no_waste,
@@ -427,7 +476,7 @@ def oracle_combine(drafter_records: dict[str, list[dict]], k: int, model: CostMo
                                        for d in per if own_steps[d]},
            "speedup_bound": None, "speedup_hybrid": None}
     if model is not None:
-        t1, tv = model(batch_size), model(batch_size * (k + 1))
+        t1, tv = model(batch_size), model(batch_size, k + 1)
         out["speedup_bound"] = al * t1 / tv
         if draft_costs is not None:
             out["speedup_hybrid"] = al * t1 / (tv + sum(v or 0.0 for v in draft_costs.values()))
