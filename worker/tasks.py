@@ -92,8 +92,8 @@ def resume_stale_runs(sender=None, **_):
     for run in Run.objects.filter(state=Run.RUNNING, hardware__in=queues):
         measure_run.apply_async(args=[run.pk], queue=run.hardware,
                                 countdown=settings.RUN_STALE_AFTER_S + 1)
-        log.info("run %s: was running when its worker stopped; resuming in %ss",
-                 run.pk, settings.RUN_STALE_AFTER_S + 1)
+        log.info("run %s: running; sent again in %ss, taken over only if its heartbeat is "
+                 "stale by then (its worker stopped)", run.pk, settings.RUN_STALE_AFTER_S + 1)
     # Queued runs whose message was lost (the embedded broker keeps no unacked messages
     # across a kill) are sent again; a duplicate is a no-op.
     for run in Run.objects.filter(state=Run.QUEUED, hardware__in=queues):
