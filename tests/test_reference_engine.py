@@ -1,6 +1,7 @@
 """The reference engine: its Llama forward against transformers, lossless greedy speculative
 decoding (ngram, draft model; batch 1 and 4), per-sequence stops in a batch, KV rollback,
-the output distribution of speculative sampling, the step trace's time breakdown, the CLI.
+the packed (fused, oneDNN) projections against the plain ones, the output distribution of
+speculative sampling, the step trace's time breakdown, the CLI.
 
 Costly pieces (the demo target, transformers' model, the batch-1 baselines) are module
 fixtures built once. The sampling test uses a tiny random Llama so thousands of runs are cheap.
@@ -18,7 +19,7 @@ from safetensors.torch import save_file
 
 from worker import generate as generate_cli
 from worker import metrics, traces
-from worker.engines.reference import Llama, ReferenceEngine, StepTrace
+from worker.engines.reference import Llama, PackedLinear, ReferenceEngine, StepTrace
 from worker.proposers import DraftModelProposer, NgramProposer, make_proposer
 
 NEW_TOKENS = 16
@@ -173,6 +174,26 @@ def test_draft_model_cache_rolls_back_to_what_the_target_kept(draft_dir, prompt_
     torch.testing.assert_close(after.probs, scratch.probs, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("in_features", [576, 1536])
+def test_packed_linear_rows_do_not_depend_on_how_many_are_computed(in_features):
+    # Fused projections equal the separate ones; with oneDNN, a row's result is the same bits
+    # whether 1 or 9 rows are computed, so plain decoding (one row) and verification (k + 1
+    # rows) see identical projections. 1536 inputs is the MLP's down projection, where
+    # oneDNN's own one-row kernel would sum in another order.
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(in_features, 576), torch.nn.Linear(in_features, 192)
+    packed = PackedLinear(first, second)
+    x = torch.randn(9, in_features)
+    with torch.inference_mode():
+        full = packed(x)
+        torch.testing.assert_close(full, torch.cat([first(x), second(x)], dim=-1),
+                                   atol=1e-4, rtol=1e-4)
+        assert packed(x.view(3, 3, in_features)).shape == (3, 3, 768)
+        if packed.onednn:
+            for rows in range(1, 9):
+                assert torch.equal(packed(x[:rows]), full[:rows]), f"{rows} rows"
+
+
 # ----------------------------------------------------------------------------- tiny models
 
 def save_tiny_llama(folder: Path, seed: int, noisy_copy_of: Path | None = None, noise=0.0):
@@ -218,6 +239,35 @@ def test_tiny_speculative_greedy_equals_plain_with_partial_acceptance(tiny):
     spans = traces.accepted_span_lengths(results[0]) | traces.accepted_span_lengths(results[3])
     # Rejections at the first draft, in the middle, and full acceptance all happened.
     assert {0, 1, 3} <= set(spans)
+
+
+def test_packed_model_equals_unpacked_model_through_rollback(tiny):
+    # The same weights without packing (separate projections, F.linear): a right-padded
+    # batch of different lengths, a verification step whose rows keep different prefixes,
+    # then one more token each; every logit agrees.
+    engine, _ = tiny
+    packed = engine.model
+    plain = Llama(packed.config)
+    plain.load_state_dict(packed.state_dict())
+    plain.eval()
+    assert plain.layers[0].self_attn.packed_qkv is None and packed.packed_lm_head is not None
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10], [11, 12, 13, 14]]
+    width = max(map(len, prompts))
+    fed = torch.tensor([[2, 3, 4, 5], [6, 7, 8, 9], [1, 1, 1, 1], [15, 14, 13, 12]])
+    kept = [1, 4, 2, 3]
+    outputs = []
+    for model in (packed, plain):
+        cache = model.new_cache(4, 32)
+        first = model(torch.tensor([p + [0] * (width - len(p)) for p in prompts]), cache)
+        cache.lengths[:] = torch.tensor([len(p) for p in prompts])
+        verify = model(fed, cache)
+        for row, n in enumerate(kept):
+            cache.rollback(row, len(prompts[row]) + n)
+        following = model(torch.tensor([[3], [2], [1], [0]]), cache)
+        single = model(torch.tensor([[5]]), cache, rows=torch.tensor([2]))  # one row, one token
+        outputs.append((first, verify, following, single))
+    for ours, theirs in zip(*outputs):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
 def chi_square_critical_value(df: int, z: float) -> float:

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.engines.reference import (DecoderLayer, KVCache, LlamaConfig, rope_inverse_frequencies,
-                                      rotate_half)
+from worker.engines.reference import (DecoderLayer, KVCache, LlamaConfig, attention_mask,
+                                      rope_inverse_frequencies, rope_tables, rotate_half)
 
 
 def rope(inv_freq, positions, dtype):
@@ -103,7 +103,10 @@ class EagleHead(nn.Module):
         if extra:
             raise ValueError(f"{path}: tensors an EAGLE-1 head does not have: {', '.join(extra[:5])}")
         head.load_state_dict({k: v for k, v in weights.items() if k in head.state_dict()}, strict=True)
-        return head.to(dtype=dtype, device=device).eval()
+        head = head.to(dtype=dtype, device=device).eval()
+        for layer in head.layers:  # fused inference projections (reference.PackedLinear)
+            layer.pack()
+        return head
 
     def fuse(self, embeds, features):
         return self.fc(torch.cat((embeds, features), dim=-1))
@@ -121,11 +124,11 @@ class EagleHead(nn.Module):
         num_slots = int(starts.max()) + length
         if num_slots > cache.max_slots:
             raise ValueError(f"EAGLE KV cache overflow: {num_slots} slots > {cache.max_slots}")
-        mask = (torch.arange(num_slots, device=device)[None, None, :] <= positions[:, :, None])[:, None]
-        cos, sin = rope(self.inv_freq, positions, x.dtype)
+        mask = attention_mask(positions, num_slots, x.dtype)
+        cos, signed_sin = rope_tables(self.inv_freq, positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], row_index[:, None], positions, rows,
-                      num_slots, mask)
+            x = layer(x, cos, signed_sin, cache.k[i], cache.v[i], row_index[:, None], positions,
+                      rows, num_slots, mask)
         return x
 
     def new_cache(self, batch_size, max_slots) -> KVCache:

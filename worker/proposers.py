@@ -184,7 +184,7 @@ class EagleProposer:
         if target.config.hidden_size != self.head.config.hidden_size:
             raise ValueError(f"the EAGLE head's hidden size {self.head.config.hidden_size} differs "
                              f"from the target's {target.config.hidden_size}")
-        self.embed, self.lm_head = target.embed_tokens, target.lm_head  # shared, as in vLLM
+        self.embed, self.logits = target.embed_tokens, target.logits  # shared, as in vLLM
         self.temperature = temperature
         self.cache = self.head.new_cache(batch_size, max_slots + 1)
 
@@ -192,6 +192,7 @@ class EagleProposer:
         if hidden_states is None:
             raise ValueError("the EAGLE proposer needs the target's hidden states")
         dtype = self.head.fc.weight.dtype
+        target_dtype = self.embed.weight.dtype
         drafts = [Draft([]) for _ in rows]
         # Commit the new positions: head position p reads token p + 1 and the target's h[p].
         row_index = torch.tensor(rows, device=self.device)
@@ -219,7 +220,7 @@ class EagleProposer:
         live = list(todo)
         feature = feature[todo] if todo else feature
         while live:
-            logits = self.lm_head(feature.to(self.lm_head.weight.dtype)).float()
+            logits = self.logits(feature.to(target_dtype))
             step = []
             for j, i in enumerate(live):
                 token = draft_token(logits[j], self.temperature, generators[i], probs[i])

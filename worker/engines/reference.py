@@ -7,6 +7,11 @@ per step. Greedy output equals the target's own greedy output; sampling uses sta
 speculative rejection sampling, so outputs follow the target's distribution. Every step is
 traced per sequence (drafted tokens, accepted prefix, bonus token, time per phase).
 
+Speed (batch 1 on CPU is bound by the matrix products, about 80% of a forward): the loaded
+model runs its projections through fused, frozen copies built once (``PackedLinear``: q/k/v
+and gate/up fused, weights reordered for oneDNN), builds the attention mask and rotary
+tables once per forward rather than per layer, and computes logits only where asked.
+
 Layout of a batch: sequences are right-padded. A sequence's KV slot j holds its token at
 position j, so position ids are slot indices and the attention mask is ``slot <= query
 slot``; a padded input writes slots past the sequence's committed length, which are never
@@ -107,6 +112,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
+        if x.dtype == torch.float32:  # one op, the same arithmetic as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()  # normalise in float32 as transformers does, even for bf16 weights
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -117,6 +124,56 @@ def rotate_half(x):
     return torch.cat((-second, first), dim=-1)
 
 
+def apply_rope(x, cos, signed_sin):
+    """``x * cos + rotate_half(x) * sin`` in four ops: rolling by half the head dimension
+    swaps the halves, and ``signed_sin`` (sin with its first half negated) restores the
+    sign rotate_half gives the first; the values are the same floats."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def _onednn_available() -> bool:
+    try:
+        return torch.backends.mkldnn.is_available() and \
+            hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and \
+            hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class PackedLinear:
+    """One or more ``nn.Linear`` of the same input fused along their outputs, frozen, for
+    inference (``Llama.pack``). On CPU in float32 the weight is reordered once into oneDNN's
+    blocked layout: with one thread on the development machine (AMD EPYC, MKL 2024) that
+    runs the model's matrix products 1.5x (one row) to 2.2x (four rows) faster than
+    ``F.linear``, in float32 arithmetic. Inputs of fewer than ``MIN_ROWS`` rows are
+    zero-padded to it: oneDNN's kernel for four rows is its fastest, and every row's result
+    is then bit-identical whatever the number of rows (at one row it picks another kernel
+    that sums in another order), so plain decoding and verification compute each position
+    alike. Elsewhere (another device or dtype, no oneDNN) it is ``F.linear`` on the fused
+    weight."""
+
+    MIN_ROWS = 4
+    ONEDNN = _onednn_available()
+
+    def __init__(self, *linears: nn.Linear):
+        weight = torch.cat([lin.weight.detach() for lin in linears])
+        biases = [lin.bias for lin in linears]
+        self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        self.out_features = weight.shape[0]
+        self.onednn = self.ONEDNN and weight.device.type == "cpu" and weight.dtype == torch.float32
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight) if self.onednn else weight
+
+    def __call__(self, x):
+        if not self.onednn:
+            return F.linear(x, self.weight, self.bias)
+        rows = x.reshape(-1, x.shape[-1])
+        count = rows.shape[0]
+        if count < self.MIN_ROWS:
+            rows = F.pad(rows, (0, 0, 0, self.MIN_ROWS - count))
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
+        return out[:count].view(*x.shape[:-1], self.out_features)
+
+
 class Attention(nn.Module):
     def __init__(self, c: LlamaConfig):
         super().__init__()
@@ -125,15 +182,25 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
+        self.packed_qkv = self.packed_o = None  # PackedLinear after pack()
 
-    def forward(self, x, cos, sin, cache_k, cache_v, write_rows, write_slots, read_rows,
+    def pack(self):
+        self.packed_qkv = PackedLinear(self.q_proj, self.k_proj, self.v_proj)
+        self.packed_o = PackedLinear(self.o_proj)
+
+    def forward(self, x, cos, signed_sin, cache_k, cache_v, write_rows, write_slots, read_rows,
                 num_slots, mask):
         batch, length, _ = x.shape
-        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        if self.packed_qkv is not None:
+            qkv = self.packed_qkv(x).view(batch, length, heads + 2 * kv_heads, self.head_dim)
+            # Queries and keys take the same rotation: one rope over both heads' slices.
+            qk = apply_rope(qkv[:, :, :heads + kv_heads], cos, signed_sin)
+            q, k, v = qk[:, :, :heads], qk[:, :, heads:], qkv[:, :, heads + kv_heads:]
+        else:
+            q = apply_rope(self.q_proj(x).view(batch, length, heads, self.head_dim), cos, signed_sin)
+            k = apply_rope(self.k_proj(x).view(batch, length, kv_heads, self.head_dim), cos, signed_sin)
+            v = self.v_proj(x).view(batch, length, kv_heads, self.head_dim)
         # Each sequence writes its new keys at its own slots (slot = position).
         cache_k[write_rows, write_slots] = k.to(cache_k.dtype)
         cache_v[write_rows, write_slots] = v.to(cache_v.dtype)
@@ -143,8 +210,9 @@ class Attention(nn.Module):
             keys, values = cache_k[read_rows, :num_slots], cache_v[read_rows, :num_slots]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
-            attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+            attn_mask=mask, enable_gqa=kv_heads != heads)
+        out = out.transpose(1, 2).reshape(batch, length, -1)
+        return self.o_proj(out) if self.packed_o is None else self.packed_o(out)
 
 
 class MLP(nn.Module):
@@ -153,9 +221,19 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+        self.packed_gate_up = self.packed_down = None  # PackedLinear after pack()
+
+    def pack(self):
+        self.packed_gate_up = PackedLinear(self.gate_proj, self.up_proj)
+        self.packed_down = PackedLinear(self.down_proj)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # Training (worker/heads.layer_train) differentiates through the nn.Linear weights;
+        # the packed copies are for inference only.
+        if self.packed_gate_up is None or torch.is_grad_enabled():
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.packed_gate_up(x).chunk(2, dim=-1)
+        return self.packed_down(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -166,9 +244,35 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x, cos, sin, cache_k, cache_v, *cache_args):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_k, cache_v, *cache_args)
+    def pack(self):
+        """Fused, frozen copies of the projections for inference (see PackedLinear)."""
+        self.self_attn.pack()
+        self.mlp.pack()
+
+    def forward(self, x, cos, signed_sin, cache_k, cache_v, *cache_args):
+        x = x + self.self_attn(self.input_layernorm(x), cos, signed_sin, cache_k, cache_v, *cache_args)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def rope_tables(inv_freq, positions, dtype):
+    """cos and signed sin [R, T, 1, head_dim] at ``positions`` [R, T], for apply_rope."""
+    freqs = positions[..., None].float() * inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1)
+    half = freqs.shape[-1]
+    sin = angles.sin()
+    sin[..., :half].neg_()
+    return angles.cos().to(dtype)[:, :, None], sin.to(dtype)[:, :, None]
+
+
+def attention_mask(positions, num_slots, dtype):
+    """Additive mask [R, 1, T, slots]: query at position p sees slots 0..p of its own
+    sequence. None when nothing is hidden (one query at the last slot of one sequence).
+    Built once per forward in the form SDPA uses (it turns a bool mask into this, per layer)."""
+    if positions.shape == (1, 1) and int(positions[0, 0]) == num_slots - 1:
+        return None
+    visible = torch.arange(num_slots, device=positions.device)[None, None, :] <= positions[:, :, None]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=positions.device)
+    return mask.masked_fill_(~visible, float("-inf"))[:, None]
 
 
 class KVCache:
@@ -200,6 +304,7 @@ class Llama(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+        self.packed_lm_head = None  # PackedLinear after pack()
 
     @classmethod
     def from_pretrained(cls, path, dtype=torch.float32, device="cpu") -> "Llama":
@@ -225,11 +330,26 @@ class Llama(nn.Module):
         model.inv_freq = rope_inverse_frequencies(config).to(device)  # meta buffers hold nothing
         if config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
-        return model.eval()
+        return model.eval().pack()
+
+    def pack(self) -> "Llama":
+        """Build the fused, frozen projections that inference uses (PackedLinear): q/k/v and
+        gate/up fused, weights reordered for oneDNN on CPU in float32. The nn.Linear weights
+        stay as they are (state_dict, training, tied embeddings); pack again after changing
+        them. Costs a second copy of the weights."""
+        for layer in self.layers:
+            layer.pack()
+        self.packed_lm_head = PackedLinear(self.lm_head)
+        return self
 
     def new_cache(self, batch_size: int, max_slots: int) -> KVCache:
         return KVCache(self.config, batch_size, max_slots, self.embed_tokens.weight.dtype,
                        self.embed_tokens.weight.device)
+
+    def logits(self, hidden):
+        """float32 logits of final hidden states (after the norm)."""
+        head = self.lm_head if self.packed_lm_head is None else self.packed_lm_head
+        return head(hidden).float()
 
     @torch.no_grad()
     def forward(self, input_ids, cache: KVCache, rows=None, logits_at=None, return_hidden=False):
@@ -247,27 +367,22 @@ class Llama(nn.Module):
         num_slots = int(starts.max()) + length
         if num_slots > cache.max_slots:
             raise ValueError(f"KV cache overflow: {num_slots} slots > {cache.max_slots}")
-        # Query at position p sees slots 0..p of its own sequence.
-        mask = (torch.arange(num_slots, device=device)[None, None, :] <= positions[:, :, None])
-        mask = mask[:, None]  # [R, 1, T, slots]
-        freqs = positions[..., None].float() * self.inv_freq  # [R, T, head_dim / 2]
-        angles = torch.cat((freqs, freqs), dim=-1)
         x = self.embed_tokens(input_ids)
-        cos, sin = angles.cos().to(x.dtype)[:, :, None], angles.sin().to(x.dtype)[:, :, None]
-        read_rows = None if rows is None else rows
+        mask = attention_mask(positions, num_slots, x.dtype)
+        cos, signed_sin = rope_tables(self.inv_freq, positions, x.dtype)
         write_rows = row_index[:, None]
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], write_rows, positions, read_rows,
+            x = layer(x, cos, signed_sin, cache.k[i], cache.v[i], write_rows, positions, rows,
                       num_slots, mask)
         if return_hidden:
             hidden = self.norm(x)
             if logits_at is not None:
                 hidden_at = hidden.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
-                return self.lm_head(hidden_at).float(), hidden
-            return self.lm_head(hidden).float(), hidden
+                return self.logits(hidden_at), hidden
+            return self.logits(hidden), hidden
         if logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
-        return self.lm_head(self.norm(x)).float()
+        return self.logits(self.norm(x))
 
 
 # ----------------------------------------------------------------------------- tracing
@@ -429,7 +544,7 @@ class ReferenceEngine:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    @torch.no_grad()
+    @torch.inference_mode()  # no autograd bookkeeping at all (caches are made inside)
     def generate(self, prompts, proposer=None, k=4, max_new_tokens=64, temperature=0.0, seed=0,
                  eos_ids=None, on_step=None) -> list[SequenceResult]:
         """Decode a batch of prompts (lists of token ids) together.
