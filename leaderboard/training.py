@@ -198,6 +198,7 @@ def train_and_register(recipe: str, target: Target, dataset: TrainingDataset, pr
                              evaluation_prompt_hashes(), where=f"training data {dataset}: ")
     except ValueError as e:
         raise ServiceError(str(e)) from None
+    options = medusa_heads_for(protocol, options) if recipe == "medusa" else options
     out_dir = Path(out_dir or settings.DATA_DIR / "training-runs" / f"{dataset.slug}-v{dataset.version}"
                    / f"{recipe}-seed{seed}")
     if resume == "if_any":  # continue an interrupted run, start one otherwise
@@ -212,6 +213,20 @@ def train_and_register(recipe: str, target: Target, dataset: TrainingDataset, pr
         return summary, None, None
     drafter, run = register_drafter(summary, recipe, dataset, protocol, send=send)
     return summary, drafter, run
+
+
+def medusa_heads_for(protocol: Protocol, options: dict | None) -> dict:
+    """Medusa heads propose one token each, so the protocol's largest k needs as many heads:
+    the default is that many (3 at least); fewer is refused before any training."""
+    options = dict(options or {})
+    max_k = max(protocol.spec["ks"])
+    heads = options.get("heads")
+    if heads is None:
+        options["heads"] = max(3, max_k)
+    elif heads < max_k:
+        raise ServiceError(f"protocol {protocol} measures k up to {max_k}, but {heads} Medusa "
+                           f"heads propose at most {heads} tokens: give --heads {max_k} or more")
+    return options
 
 
 def register_drafter(summary: dict, recipe: str, dataset: TrainingDataset, protocol: Protocol,

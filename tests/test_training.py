@@ -198,10 +198,16 @@ def test_trained_drafter_is_registered_with_its_recipe_and_queued(site, tmp_path
     assert (data.version, data.n, data.target) == (1, 2, target)
     local = Path(settings_media(data.path))
     assert local.is_file() and len(read_dataset(local)) == 2
+    # The protocol measures k = 2 and 4: 3 heads cannot propose 4 tokens, refused up front.
+    with pytest.raises(CommandError, match=r"measures k up to 4, but 3 Medusa heads .*--heads 4"):
+        call_command("train_drafter", "--recipe", "medusa", "--target", "smollm2", "--data",
+                     "tiny-chat", "--protocol", "train-test", "--heads", "3", "--no-progress")
+    assert not Drafter.objects.exists()
     call_command("train_drafter", "--recipe", "medusa", "--target", "smollm2", "--data", "tiny-chat",
                  "--protocol", "train-test", "--seed", "7", "--steps", "5", "--no-progress")
     drafter = Drafter.objects.get(trained_by_recipe="medusa")
     assert drafter.method == "medusa" and drafter.owner is None
+    assert drafter.training_details["options"]["heads"] == 4   # one per token of the largest k
     assert (drafter.training_data, drafter.training_data_sha256, drafter.training_seed) == (
         data, data.sha256, 7)
     assert drafter.training_seconds > 0 and drafter.training_details["steps"] == 5
