@@ -258,8 +258,8 @@ class MedusaRecipe(Recipe):
 RECIPES = {r.name: r for r in (DraftModelRecipe, EagleRecipe, EagleMultistepRecipe, MedusaRecipe)}
 
 # Default steps, sized for the demo set (128 conversations, 32 batches a pass; about 20
-# passes for the heads): with the data, all four train in about half an hour on 2 busy
-# cores. eagle_multistep takes eagle's steps so that only the objective differs.
+# passes for the heads): with the data, all four train in about an hour on 2 busy cores.
+# eagle_multistep takes eagle's steps so that only the objective differs.
 DEMO_STEPS = {"draft_model": 300, "eagle": 600, "eagle_multistep": 600, "medusa": 600}
 
 
