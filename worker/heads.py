@@ -26,18 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.engines.reference import (DecoderLayer, KVCache, LlamaConfig, attention_mask,
-                                      rope_inverse_frequencies, rope_tables, rotate_half)
+from worker.engines.reference import (DecoderLayer, KVCache, LlamaConfig, apply_rope,
+                                      attention_mask, rope_inverse_frequencies, rope_tables)
 
 
-def rope(inv_freq, positions, dtype):
-    """cos and sin [R, T, 1, head_dim] of rotary embeddings at ``positions`` [R, T]."""
-    freqs = positions[..., None].float() * inv_freq
-    angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos().to(dtype)[:, :, None], angles.sin().to(dtype)[:, :, None]
-
-
-def attention_train(attn, x, cos, sin, mask=None, past=()):
+def attention_train(attn, x, cos, signed_sin, mask=None, past=()):
     """A layer's attention without a KV cache, for training. ``past``: (keys, values) of
     earlier unrolled steps, placed before this input's own keys; ``mask`` [T, S] (True:
     visible) over those S keys, causal over the own keys when None. Returns the output and
@@ -46,8 +39,7 @@ def attention_train(attn, x, cos, sin, mask=None, past=()):
     q = attn.q_proj(x).view(b, t, attn.num_heads, attn.head_dim)
     k = attn.k_proj(x).view(b, t, attn.num_kv_heads, attn.head_dim)
     v = attn.v_proj(x).view(b, t, attn.num_kv_heads, attn.head_dim)
-    q = q * cos + rotate_half(q) * sin
-    k = k * cos + rotate_half(k) * sin
+    q, k = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin)
     keys = torch.cat([pk for pk, _ in past] + [k], dim=1)
     values = torch.cat([pv for _, pv in past] + [v], dim=1)
     out = F.scaled_dot_product_attention(
@@ -56,9 +48,10 @@ def attention_train(attn, x, cos, sin, mask=None, past=()):
     return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1)), (k, v)
 
 
-def layer_train(layer, x, cos, sin, mask=None, past=()):
+def layer_train(layer, x, cos, signed_sin, mask=None, past=()):
     """A decoder layer without a KV cache (see ``attention_train``)."""
-    attn_out, kv = attention_train(layer.self_attn, layer.input_layernorm(x), cos, sin, mask, past)
+    attn_out, kv = attention_train(layer.self_attn, layer.input_layernorm(x), cos, signed_sin,
+                                   mask, past)
     x = x + attn_out
     return x + layer.mlp(layer.post_attention_layernorm(x)), kv
 
@@ -138,10 +131,10 @@ class EagleHead(nn.Module):
         """Training: output features and each layer's (keys, values) for ``embeds`` and
         ``features`` [B, T, hidden]; ``past`` per layer: earlier unrolled steps' keys."""
         x = self.fuse(embeds, features)
-        cos, sin = rope(self.inv_freq, positions, x.dtype)
+        cos, signed_sin = rope_tables(self.inv_freq, positions, x.dtype)
         kvs = []
         for i, layer in enumerate(self.layers):
-            x, kv = layer_train(layer, x, cos, sin, mask, past[i] if past else ())
+            x, kv = layer_train(layer, x, cos, signed_sin, mask, past[i] if past else ())
             kvs.append(kv)
         return x, kvs
 

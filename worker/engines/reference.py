@@ -119,15 +119,10 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rotate_half(x):
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
 def apply_rope(x, cos, signed_sin):
-    """``x * cos + rotate_half(x) * sin`` in four ops: rolling by half the head dimension
-    swaps the halves, and ``signed_sin`` (sin with its first half negated) restores the
-    sign rotate_half gives the first; the values are the same floats."""
+    """Rotary embedding, ``x * cos + cat(-x2, x1) * sin`` for halves x1, x2 of the head
+    dimension, in four ops: rolling by half swaps the halves, and ``signed_sin`` (sin with
+    its first half negated, from rope_tables) gives the first its sign; the same floats."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 

@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.engines.reference import Llama, LlamaConfig
-from worker.heads import EagleHead, MedusaHeads, layer_train, rope
+from worker.engines.reference import Llama, LlamaConfig, rope_tables
+from worker.heads import EagleHead, MedusaHeads, layer_train
 
 SAVE_DTYPE = torch.bfloat16  # as the demo target is stored; engines upcast
 
@@ -106,10 +106,10 @@ class DraftModelRecipe(Recipe):
         ids, hidden = batch["ids"], batch["hidden"]
         m = self.module
         positions = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
-        cos, sin = rope(m.inv_freq, positions, torch.float32)
+        cos, signed_sin = rope_tables(m.inv_freq, positions, torch.float32)
         x = m.embed_tokens(ids)
         for layer in m.layers:
-            x, _ = layer_train(layer, x, cos, sin)
+            x, _ = layer_train(layer, x, cos, signed_sin)
         mask = _answer_mask(batch, ids.shape[1], 1)  # position p predicts t[p + 1]
         logits = self.logits(m.norm(x[mask]), m.lm_head.weight)
         with torch.no_grad():
