@@ -1070,7 +1070,7 @@ def protocol_pays(protocol: Protocol, temperature: float | None = None) -> dict:
 def _protocol_pays(protocol, temperature, tasks, batch_sizes, ks, drafter_runs, baselines,
                    by_run) -> dict:
     entries, drafters, curves, points, combine_inputs = [], [], [], [], defaultdict(dict)
-    base_outputs = {}
+    base_outputs, base_records = {}, {}
     for r in sorted(drafter_runs, key=lambda r: r["drafter"]["name"].lower()):
         d = r["drafter"]
         base_run = baselines.get(r["engine_version"])
@@ -1080,7 +1080,9 @@ def _protocol_pays(protocol, temperature, tasks, batch_sizes, ks, drafter_runs, 
         if has_records:
             cells_r = _with_records(r["id"], cells)
             has_records = any(c["records"] for c in cells_r)
-            base_r = _with_records(base_run["id"], base_cells) if base_run else []
+            if base_run and base_run["id"] not in base_records:  # read once, not per drafter
+                base_records[base_run["id"]] = _with_records(base_run["id"], base_cells)
+            base_r = base_records[base_run["id"]] if base_run else []
             rows = _analyse(r["id"], cells_r, base_r, d["method"])
             if temperature == 0:
                 for c in cells_r:
