@@ -1,7 +1,7 @@
 """What a measurement costs, and how repeatable it is (a benchmark, not a test).
 
 For the demo protocol (or a smaller one with --prompts-per-task), measures a drafter run
-REPEATS times through the same code path as a Celery worker (worker.tasks.execute_run),
+REPEATS times through the same code path as a Celery worker (leaderboard.services.runs.execute_run),
 in a throw-away SQLite database, and prints:
 - the run's wall time and the share spent generating (sum of the cells' wall times)
   against engine start + warm-up, set-up (building the job from the database) and database
@@ -43,12 +43,11 @@ def main():
     django.setup()
     from django.core.management import call_command
 
-    from leaderboard import runs, services
     from leaderboard.models import Result
-    from worker import tasks
+    from leaderboard.services import runs, setup
 
     call_command("migrate", verbosity=0)
-    rows = services.setup_demo(progress=lambda m: None, prompts_per_task=args.prompts_per_task)
+    rows = setup.setup_demo(progress=lambda m: None, prompts_per_task=args.prompts_per_task)
     protocol = rows["protocol"]
     drafter = None if args.drafter == "baseline" else rows["drafters"][0]
 
@@ -70,14 +69,14 @@ def main():
     runs.build_job = timed("setup", runs.build_job)
 
     if drafter is not None:  # the baseline first, so that speedups are computed as usual
-        tasks.execute_run(runs.queue_run(protocol, None, send=False).pk)
+        runs.execute_run(runs.queue_run(protocol, None, send=False).pk)
 
     measured = []
     for repeat in range(args.repeats):
         timers.update(db=0.0, setup=0.0)
         run = runs.queue_run(protocol, drafter, send=False)
         t = time.perf_counter()
-        state = tasks.execute_run(run.pk)
+        state = runs.execute_run(run.pk)
         wall = time.perf_counter() - t
         run.refresh_from_db()
         if state != "succeeded":

@@ -31,7 +31,10 @@ from pydantic.json_schema import SkipJsonSchema
 
 from worker.checkpoint import Upload
 
-from . import selectors, submissions, tokens
+from . import pays, tokens
+from .selectors import drafters, protocols, results
+from .selectors import runs as run_reads
+from .services import submissions
 from .forms import SubmitForm
 from .models import Drafter, Run, Target
 
@@ -592,13 +595,13 @@ RUN_ID = Path(..., ge=1, le=ID_MAX, description="run id")
 
 @api.get("/targets", response=list[TargetOut], tags=["reads"], summary="Target models")
 def list_targets(request):
-    return selectors.target_list()
+    return protocols.target_list()
 
 
 @api.get("/protocols", response=list[ProtocolOut], tags=["reads"],
          summary="Protocols, with their canonical spec JSON and sha256")
 def list_protocols(request):
-    return selectors.protocol_list_with_specs()
+    return protocols.protocol_list_with_specs()
 
 
 @api.get("/protocols/{slug}/{version}", response={200: ProtocolDetailOut, **errors(404)},
@@ -606,10 +609,10 @@ def list_protocols(request):
 def get_protocol(request, slug: str = Path(..., pattern=SLUG, max_length=50,
                                           description="protocol slug"),
                  version: int = Path(..., ge=1, le=INT_MAX, description="protocol version")):
-    protocol = selectors.get_protocol(f"{slug}@{version}")
+    protocol = protocols.get_protocol(f"{slug}@{version}")
     if protocol is None:
         raise not_found("version", f"no protocol {slug} v{version}: see /api/protocols")
-    return selectors.protocol_detail(protocol)
+    return protocols.protocol_detail(protocol)
 
 
 # ---- when does it pay? -----------------------------------------------------------------
@@ -795,10 +798,10 @@ def protocol_analysis(request, slug: str = Path(..., pattern=SLUG, max_length=50
                                       "first)")):
     """The figures of the protocol's "When does it pay?" page (definitions in
     `definitions` and in worker/analysis.py)."""
-    protocol = selectors.get_protocol(f"{slug}@{version}")
+    protocol = protocols.get_protocol(f"{slug}@{version}")
     if protocol is None:
         raise not_found("version", f"no protocol {slug} v{version}: see /api/protocols")
-    return selectors.protocol_pays(protocol, _temperature(protocol, temperature))
+    return pays.protocol_pays(protocol, _temperature(protocol, temperature))
 
 
 @api.get("/recommend", response={200: RecommendOut, **errors(404, 422)}, tags=["reads"],
@@ -807,22 +810,22 @@ def protocol_analysis(request, slug: str = Path(..., pattern=SLUG, max_length=50
 def recommend(request, q: Query[RecommendQuery]):
     """Per (drafter, k), the mix's throughput is the weighted harmonic mean of its cells'
     measured throughput (time per token adds up); the baseline is an option too."""
-    protocol = selectors.get_protocol(q.protocol)
+    protocol = protocols.get_protocol(q.protocol)
     if protocol is None:
         raise not_found("protocol", f"no protocol {q.protocol!r}: see /api/protocols")
     tasks = [t["task"] for t in protocol.spec["tasks"]]
     try:
-        mix = selectors.parse_mix(q.mix, tasks)
+        mix = pays.parse_mix(q.mix, tasks)
     except ValueError as e:
         raise ApiError(422, problem("(query)", "mix", str(e))) from None
-    return selectors.recommendation(protocol, mix, q.batch_size,
+    return pays.recommendation(protocol, mix, q.batch_size,
                                     _temperature(protocol, q.temperature))
 
 
 @api.get("/drafters", response={200: DrafterPage, **errors(422)}, tags=["reads"],
          summary="Drafters (withdrawn and rejected ones only on request)")
 def list_drafters(request, filters: Query[DrafterFilters]):
-    count, items = selectors.drafters_page(
+    count, items = drafters.drafters_page(
         target=filters.target, method=filters.method, owner=filters.owner,
         review_state=filters.review_state, limit=filters.limit, offset=filters.offset)
     return {"count": count, "limit": filters.limit, "offset": filters.offset, "items": items}
@@ -831,7 +834,7 @@ def list_drafters(request, filters: Query[DrafterFilters]):
 @api.get("/drafters/{slug}", response={200: DrafterDetailOut, **errors(404)}, tags=["reads"],
          summary="One drafter, its files and its runs")
 def get_drafter(request, slug: str = DRAFTER_SLUG):
-    page = selectors.drafter_page(slug)
+    page = drafters.drafter_page(slug)
     if page is None:
         raise not_found("slug", f"no drafter {slug!r}: see /api/drafters")
     return {"drafter": page["drafter"], "files": page["files"],
@@ -848,7 +851,7 @@ def _api_run(summary: dict) -> dict:
 @api.get("/runs", response={200: RunPage, **errors(422)}, tags=["reads"],
          summary="Runs, newest first: state, progress, queue position, error")
 def list_runs(request, filters: Query[RunFilters]):
-    count, items = selectors.runs_page(
+    count, items = run_reads.runs_page(
         state=filters.state, hardware=filters.hardware, drafter=filters.drafter,
         protocol=filters.protocol, version=filters.version, baseline=filters.baseline,
         limit=filters.limit, offset=filters.offset)
@@ -861,7 +864,7 @@ def list_runs(request, filters: Query[RunFilters]):
 @api.get("/runs/{run_id}", response={200: RunOut, **errors(404)}, tags=["reads"],
          summary="One run: state, progress, queue position, error")
 def get_run(request, run_id: int = RUN_ID):
-    run = selectors.run_with_position(run_id)
+    run = run_reads.run_with_position(run_id)
     if run is None:
         raise not_found("run_id", f"no run {run_id}")
     return _api_run(run)
@@ -901,14 +904,14 @@ def list_results(request, filters: Query[ResultFilters]):
     id. Without `format`: one page (`limit`, `offset`). With `format=csv` or `format=json`:
     every matching row, streamed in constant memory, as a download named after the
     protocol and the date (`specboard-results-<protocol>-v<version>-<date>.csv`)."""
-    qs = selectors.results_queryset(
+    qs = results.results_queryset(
         protocol=filters.protocol, version=filters.version, target=filters.target,
         drafter=filters.drafter, method=filters.method, task=filters.task,
         batch_size=filters.batch_size, temperature=filters.temperature, k=filters.k,
         run=filters.run, run_state=filters.run_state)
     if filters.format:
         return export_response(qs, filters.format, export_filename(filters, filters.format))
-    count, items = selectors.results_page(qs, filters.limit, filters.offset)
+    count, items = results.results_page(qs, filters.limit, filters.offset)
     return {"count": count, "limit": filters.limit, "offset": filters.offset, "items": items}
 
 
@@ -937,13 +940,13 @@ def csv_chunks(qs):
     """The CSV bytes of every row, a header first, in chunks (constant memory)."""
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(selectors.RESULT_COLUMNS)
+    writer.writerow(results.RESULT_COLUMNS)
     if CSV_BY_COPY and connection.vendor == "postgresql":
         yield buf.getvalue().encode()
-        yield from selectors.result_csv_blocks(qs, block_bytes=COPY_BLOCK_BYTES)
+        yield from results.result_csv_blocks(qs, block_bytes=COPY_BLOCK_BYTES)
         return
     n = 0
-    for row in selectors.result_rows(qs, json_as_text=True, chunk_size=ROWS_PER_WRITE):
+    for row in results.result_rows(qs, json_as_text=True, chunk_size=ROWS_PER_WRITE):
         writer.writerow(row)
         n += 1
         if n == ROWS_PER_WRITE:
@@ -957,11 +960,11 @@ def csv_chunks(qs):
 
 def json_chunks(qs):
     """A JSON array of row objects (the ResultOut fields), streamed."""
-    columns = selectors.RESULT_COLUMNS
+    columns = results.RESULT_COLUMNS
     dumps = json.JSONEncoder(ensure_ascii=False, allow_nan=False,
                              separators=(",", ":")).encode
     parts, sep = ["["], ""
-    for row in selectors.result_rows(qs, chunk_size=ROWS_PER_WRITE):
+    for row in results.result_rows(qs, chunk_size=ROWS_PER_WRITE):
         parts.append(sep + dumps(dict(zip(columns, row))))
         sep = ",\n"
         if len(parts) >= ROWS_PER_WRITE:
@@ -1049,7 +1052,7 @@ def submit(request, data: Form[SubmitIn],
     """The same validation as the submit page (worker/checkpoint.py through
     leaderboard/submissions.py): config.json plus *.safetensors as several `files`, or one
     .zip / .tar.gz; no files for ngram. Nothing is stored when it is refused."""
-    protocol = selectors.get_protocol(data.protocol)
+    protocol = protocols.get_protocol(data.protocol)
     if protocol is None:
         raise ApiError(422, problem("(form)", "protocol", f"no protocol {data.protocol!r}: "
                                                           "see /api/protocols"))
@@ -1073,9 +1076,9 @@ def submit(request, data: Form[SubmitIn],
         licence=cleaned["licence"],
         claimed_acceptance_length=cleaned["claimed_acceptance_length"],
         claimed_speedup=cleaned["claimed_speedup"], claimed_source=cleaned["claimed_source"])
-    page = selectors.drafter_page(drafter.slug)
+    page = drafters.drafter_page(drafter.slug)
     return Status(201, {"drafter": page["drafter"],
-                        "run": _api_run(selectors.run_with_position(run.pk))})
+                        "run": _api_run(run_reads.run_with_position(run.pk))})
 
 
 @api.post("/runs/{run_id}/cancel", response={200: RunOut, **errors(401, 403, 404, 409)},
@@ -1083,14 +1086,14 @@ def submit(request, data: Form[SubmitIn],
 def cancel_run(request, run_id: int = RUN_ID):
     """A queued run is cancelled at once; a running one stops after the cell it is
     measuring (its state stays running with cancel_requested true until then)."""
-    run = selectors.get_run(run_id)
+    run = run_reads.get_run(run_id)
     if run is None:
         raise not_found("run_id", f"no run {run_id}")
     can_manage(request.auth, run.drafter)
     if run.state in Run.FINISHED:
         raise ApiError(409, problem("(path)", "run_id", f"run {run_id} already {run.state}"))
     submissions.cancel_run(run)
-    return _api_run(selectors.run_with_position(run_id))
+    return _api_run(run_reads.run_with_position(run_id))
 
 
 @api.post("/drafters/{slug}/withdraw", response={200: WithdrawOut, **errors(401, 403, 404)},
@@ -1103,4 +1106,4 @@ def withdraw(request, slug: str = DRAFTER_SLUG):
         raise not_found("slug", f"no drafter {slug!r}")
     can_manage(request.auth, drafter)
     n = submissions.withdraw_drafter(drafter)
-    return {"drafter": selectors.drafter_page(slug)["drafter"], "runs_cancelled": n}
+    return {"drafter": drafters.drafter_page(slug)["drafter"], "runs_cancelled": n}

@@ -8,9 +8,14 @@ from celery.signals import worker_init
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "leaderboard.settings")
 
+# The measurement task (leaderboard/tasks.py). The site sends it by this name, so sending
+# needs no import of the task; the name is the one it had when it lived in worker/.
+MEASURE_RUN = "worker.measure_run"
+
 app = Celery("leaderboard")
 app.config_from_object("django.conf:settings", namespace="CELERY")
-app.autodiscover_tasks(["worker"], related_name="tasks", force=True)
+# Imported when a worker starts (not at import: the task module needs Django set up).
+app.autodiscover_tasks(["leaderboard"], related_name="tasks")
 
 
 def ensure_broker_folders():

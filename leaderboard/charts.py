@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from worker import metrics
+from worker.analysis import speedup_by_batch
 
-from .selectors import aggregate_cells
+from .selectors.shapes import aggregate_cells
 
 PALETTE = ["#2563eb", "#d97706", "#059669", "#dc2626", "#7c3aed", "#0891b2", "#be185d",
            "#4d7c0f", "#9a3412", "#475569"]
@@ -72,19 +72,6 @@ def _fmt(x, digits=2):
 
 
 # ---- building blocks on cell dicts -----------------------------------------------------
-
-def speedup_by_batch(cells, baseline_cells):
-    """{batch: speedup over all tasks}: summed drafter throughput over summed baseline
-    throughput on the same tasks (cells of one k and temperature)."""
-    mine = aggregate_cells(cells, ("batch_size",))
-    tasks = {c["task"] for c in cells}
-    base = aggregate_cells([c for c in baseline_cells if c["task"] in tasks
-                            and c["temperature"] in {x["temperature"] for x in cells}],
-                           ("batch_size",))
-    return {b: metrics.speedup(g["output_throughput"],
-                               base.get((b,), {}).get("output_throughput"))
-            for (b,), g in sorted(mine.items())}
-
 
 def best_k(cells, baseline_cells, ks):
     """The speculation budget with the highest mean speedup over batch sizes (all tasks)."""

@@ -132,7 +132,7 @@ class DrafterChoice:
 def resolve_drafter(drafter_slug, target_slug) -> DrafterChoice:
     """The drafter as the engine needs it; its files (if any) copied into a local folder."""
     from .models import Drafter
-    from .runs import drafter_folder
+    from .services.runs import drafter_folder
 
     d = Drafter.objects.filter(slug=drafter_slug).select_related("target").first()
     if d is None:

@@ -5,7 +5,7 @@ from django import forms
 from django.contrib.auth.forms import UserCreationForm
 
 from .models import Drafter, Protocol, Target
-from .submissions import EDITABLE_FIELDS
+from .services.submissions import EDITABLE_FIELDS
 
 
 class MultipleFileInput(forms.ClearableFileInput):

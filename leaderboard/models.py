@@ -149,7 +149,7 @@ class Drafter(models.Model):
     claimed_source = models.URLField(blank=True)
     review_state = models.CharField(max_length=20, choices=REVIEW_STATES, default="approved")
     trained_by_recipe = models.CharField(max_length=50, blank=True)
-    # A baseline drafter trained here (leaderboard/training.py): on which data, seed, time.
+    # A baseline drafter trained here (leaderboard/services/training.py): on which data, seed, time.
     training_data = models.ForeignKey("TrainingDataset", null=True, blank=True,
                                       on_delete=models.SET_NULL, related_name="drafters")
     training_data_sha256 = models.CharField(max_length=64, blank=True)
@@ -285,7 +285,8 @@ class Result(models.Model):
     lossless_share = models.FloatField(null=True, blank=True)
     measured_at = models.DateTimeField(default=timezone.now)
     # "When does it pay?" (worker.analysis) from the run's raw records and its baseline's
-    # cost model, written once the run and its baseline have succeeded (runs.record_analysis)
+    # cost model, written once the run and its baseline have succeeded
+    # (services.runs.record_analysis)
     # so that pages and the export read them like any other figure.
     tokens_per_step = models.FloatField(null=True, blank=True)
     predicted_speedup = models.FloatField(null=True, blank=True)
@@ -303,6 +304,24 @@ class Result(models.Model):
                                     name="unique_result_cell"),
         ]
         indexes = [models.Index(fields=["task", "batch_size"])]
+
+    # A cell as pages, the API and the analysis read it (`as_cell_dict`).
+    CELL_FIELDS = (
+        "task", "batch_size", "temperature", "k", "requests", "generated_tokens",
+        "wall_seconds", "drafts", "draft_tokens", "accepted_tokens", "accepted_at",
+        "acceptance_length", "acceptance_rate", "per_position_acceptance",
+        "conditional_acceptance", "output_throughput", "ttft_mean", "ttft_p50", "ttft_p90",
+        "ttft_p99", "tpot_mean", "tpot_p50", "tpot_p90", "tpot_p99", "speedup",
+        "lossless_share", "measured_at",
+    )
+
+    def as_cell_dict(self) -> dict:
+        d = {f: getattr(self, f) for f in self.CELL_FIELDS}
+        d["temperature"] = float(d["temperature"])
+        d["accepted_at"] = list(d["accepted_at"] or [])
+        d["run_id"] = self.run_id
+        d["baseline_result_id"] = self.baseline_result_id
+        return d
 
 
 class ApiToken(models.Model):

@@ -16,9 +16,13 @@ from django.template.loader import render_to_string
 from django.urls import reverse
 from django.views.decorators.http import require_GET, require_POST
 
+from worker import analysis
 from worker.checkpoint import Upload
 
-from . import charts, selectors, submissions, tokens
+from . import charts, pays, tokens
+from .selectors import accounts, board, drafters, protocols, shapes
+from .selectors import runs as run_reads
+from .services import submissions
 from .forms import DrafterEditForm, SignupForm, SubmitForm, TokenForm
 from .models import Drafter, Run
 
@@ -75,7 +79,7 @@ def protocol_choices():
     a protocol's first result shows in the menu within 30 seconds)."""
     def build():
         return [{"pk": p.pk, "slug": p.slug, "version": p.version,
-                 "target": {"name": p.target.name}} for p in selectors.protocols_with_results()]
+                 "target": {"name": p.target.name}} for p in protocols.protocols_with_results()]
     if settings.SPECBOARD_PAGE_CACHE_SECONDS <= 0:
         return build()
     return cache.get_or_set("protocol-choices", build, min(30, settings.SPECBOARD_PAGE_CACHE_SECONDS))
@@ -92,7 +96,7 @@ COLUMNS = [("name", "Drafter"), ("method", "Method"), ("k", "k"), ("batch_size",
 
 @require_GET
 def home(request):
-    protocol = selectors.get_protocol(request.GET.get("protocol"), request.GET.get("target"))
+    protocol = protocols.get_protocol(request.GET.get("protocol"), request.GET.get("target"))
     if protocol is None:
         if request.GET.get("protocol"):
             raise Http404("no such protocol")
@@ -114,7 +118,7 @@ def home(request):
     if method not in dict(Drafter.METHODS):
         method = None
     sort = request.GET.get("sort") or "speedup"
-    sort = sort if sort in selectors.SORT_KEYS else "speedup"
+    sort = sort if sort in board.SORT_KEYS else "speedup"
     descending = request.GET.get("dir", "desc") != "asc"
     page = _int(request.GET.get("page")) or 1
     headers = []
@@ -128,25 +132,25 @@ def home(request):
                    method=method, sort=sort, descending=descending)
 
     def build():
-        board = selectors.leaderboard(protocol, **filters)
-        total = len(board["rows"])
+        table = board.leaderboard(protocol, **filters)
+        total = len(table["rows"])
         pages = max(1, -(-total // ROWS_PER_PAGE))
         n = min(max(page, 1), pages)
         offset = (n - 1) * ROWS_PER_PAGE
-        board["rows"] = board["rows"][offset:offset + ROWS_PER_PAGE]
+        table["rows"] = table["rows"][offset:offset + ROWS_PER_PAGE]
         pager = {"page": n, "pages": pages, "total": total, "offset": offset,
                  "prev": _query(request, page=n - 1) if n > 1 else None,
                  "next": _query(request, page=n + 1) if n < pages else None}
         html = render_to_string("leaderboard/_board.html", {
-            "board": board, "headers": headers, "pager": pager, "p": board["protocol"]})
-        return {"html": html, "board": board}
+            "board": table, "headers": headers, "pager": pager, "p": table["protocol"]})
+        return {"html": html, "board": table}
 
     fragment = cached_fragment(
-        lambda: ("board", selectors.leaderboard_signature(protocol), sorted(filters.items()),
+        lambda: ("board", board.leaderboard_signature(protocol), sorted(filters.items()),
                  page, request.GET.get("protocol"), request.GET.get("target")), build)
-    ref = selectors.protocol_ref(protocol)
+    ref = shapes.protocol_ref(protocol)
     return render(request, "leaderboard/home.html", {
-        "protocol": selectors.protocol_summary(protocol), "board_html": fragment["html"],
+        "protocol": shapes.protocol_summary(protocol), "board_html": fragment["html"],
         "board": fragment.get("board"), "filters": filters,
         "protocols": protocol_choices(), "protocol_ref": ref,
         "methods": Drafter.METHODS, "ks": spec["ks"], "tasks": [t["task"] for t in spec["tasks"]],
@@ -161,15 +165,14 @@ def home(request):
 
 @require_GET
 def drafter_detail(request, slug):
-    overview = selectors.drafter_overview(slug, request.GET.get("protocol"))
+    overview = drafters.drafter_overview(slug, request.GET.get("protocol"))
     if overview is None:
         raise Http404("no such drafter")
     page = {k: v for k, v in overview.items() if not k.startswith("_")}
     k_param, t_param = request.GET.get("k"), request.GET.get("temperature")
 
     def build():
-        results = selectors.drafter_results(overview)
-        full = {**page, **results}
+        full = {**page, **drafters.drafter_results(overview)}
         figs, k, temperature = {}, None, None
         protocol = full["protocol"]
         if protocol and full["cells"]:
@@ -181,17 +184,17 @@ def drafter_detail(request, slug):
                 [c for c in full["baseline_cells"] if c["temperature"] == temperature],
                 protocol["ks"])
             figs = charts.drafter_charts(full, k, temperature)
-        pays = selectors.drafter_analysis(full) if full["cells"] else None
-        if pays and figs:
-            figs.update(charts.drafter_pays_charts(pays, k, temperature))
+        analysed = pays.drafter_analysis(full) if full["cells"] else None
+        if analysed and figs:
+            figs.update(charts.drafter_pays_charts(analysed, k, temperature))
         html = render_to_string("leaderboard/_drafter_results.html", {
-            "page": full, "figs": figs, "k": k, "temperature": temperature, "pays": pays})
+            "page": full, "figs": figs, "k": k, "temperature": temperature, "pays": analysed})
         return {"html": html, "meta_has_charts": bool(figs), "page": full}
 
     if overview["_run"] is None:
         fragment = build()
     else:
-        fragment = cached_fragment(lambda: ("drafter", selectors.drafter_signature(overview),
+        fragment = cached_fragment(lambda: ("drafter", drafters.drafter_signature(overview),
                                             k_param, t_param), build)
     manage = submissions.can_manage(request.user, _drafter_stub(page["drafter"]))
     return render(request, "leaderboard/drafter.html", {
@@ -266,7 +269,7 @@ def submit(request):
 @require_GET
 def queue(request):
     hardware = request.GET.get("hardware") or None
-    data = selectors.queue(hardware=hardware)
+    data = run_reads.queue(hardware=hardware)
     user = request.user
     for r in data["active"] + data["finished"]:
         r["can_cancel"] = (r["state"] in (Run.QUEUED, Run.RUNNING) and user.is_authenticated
@@ -277,13 +280,13 @@ def queue(request):
 @require_GET
 def queue_progress(request):
     ids = [i for i in request.GET.get("ids", "").split(",") if i.strip().isdigit()]
-    return JsonResponse({"runs": selectors.run_progress(ids)})
+    return JsonResponse({"runs": run_reads.run_progress(ids)})
 
 
 @login_required
 @require_POST
 def run_cancel(request, run_id):
-    run = selectors.get_run(run_id)
+    run = run_reads.get_run(run_id)
     if run is None:
         raise Http404("no such run")
     if not submissions.can_manage(request.user, run.drafter):
@@ -311,10 +314,10 @@ def run_artifact(request, run_id):
 
 @require_GET
 def compare(request):
-    protocol = selectors.get_protocol(request.GET.get("protocol"))
+    protocol = protocols.get_protocol(request.GET.get("protocol"))
     if protocol is None:
         raise Http404("no protocol with results")
-    candidates = selectors.compare_candidates(protocol)
+    candidates = board.compare_candidates(protocol)
     slugs = list(dict.fromkeys(s for s in request.GET.getlist("d") if s))[:4]
     spec = protocol.spec
     temps = [float(t) for t in spec["temperatures"]]
@@ -328,16 +331,16 @@ def compare(request):
     if len(slugs) == 1:
         error = "Choose at least two drafters."
     if len(slugs) >= 2:
-        data = selectors.compare(protocol, slugs)
+        data = board.compare(protocol, slugs)
         if data["missing"]:
             error = ("No succeeded run under this protocol for: " + ", ".join(data["missing"]))
         if len(data["entries"]) >= 1:
             figs, summary = charts.compare_charts(data, temperature, k, task)
     return render(request, "leaderboard/compare.html", {
-        "protocol": selectors.protocol_summary(protocol), "candidates": candidates,
+        "protocol": shapes.protocol_summary(protocol), "candidates": candidates,
         "chosen": slugs, "figs": figs, "summary": summary, "error": error,
         "protocols": protocol_choices(),
-        "protocol_ref": selectors.protocol_ref(protocol), "k": k, "task": task,
+        "protocol_ref": shapes.protocol_ref(protocol), "k": k, "task": task,
         "temperature": temperature, "has_charts": bool(figs),
     })
 
@@ -347,30 +350,30 @@ def compare(request):
 @require_GET
 def protocol_list(request):
     return render(request, "leaderboard/protocol_list.html",
-                  {"protocols": selectors.protocol_list()})
+                  {"protocols": protocols.protocol_list()})
 
 
 @require_GET
 def protocol_detail(request, slug, version):
-    protocol = selectors.get_protocol(f"{slug}@{version}")
+    protocol = protocols.get_protocol(f"{slug}@{version}")
     if protocol is None:
         raise Http404("no such protocol")
     return render(request, "leaderboard/protocol_detail.html",
-                  {"p": selectors.protocol_detail(protocol),
-                   "pays_definitions": selectors.analysis.definitions()})
+                  {"p": protocols.protocol_detail(protocol),
+                   "pays_definitions": analysis.definitions()})
 
 
 @require_GET
 def protocol_pays(request, slug, version):
     """When does it pay? The analyses of worker.analysis over the protocol's newest
     succeeded runs, and the recommender form (task weights w_<task>, batch_size)."""
-    protocol = selectors.get_protocol(f"{slug}@{version}")
+    protocol = protocols.get_protocol(f"{slug}@{version}")
     if protocol is None:
         raise Http404("no such protocol")
     spec = protocol.spec
     temps = [float(t) for t in spec["temperatures"]]
     temperature = _float(request.GET.get("temperature"), temps)
-    data = selectors.protocol_pays(protocol, temperature)
+    data = pays.protocol_pays(protocol, temperature)
     tasks = data["tasks"]
     weights, rec, rec_error = {}, None, None
     for t in tasks:
@@ -379,11 +382,11 @@ def protocol_pays(request, slug, version):
     b_param = _int(request.GET.get("batch_size"))
     if b_param is not None or any(f"w_{t}" in request.GET for t in tasks):
         try:
-            mix = selectors.parse_mix(",".join(f"{t}:{w}" for t, w in weights.items()
+            mix = pays.parse_mix(",".join(f"{t}:{w}" for t, w in weights.items()
                                                if str(w).strip() != ""), tasks)
             if b_param is None or b_param < 1:
                 raise ValueError("the batch size must be a whole number >= 1")
-            rec = selectors.recommendation(protocol, mix, b_param, data["temperature"])
+            rec = pays.recommendation(protocol, mix, b_param, data["temperature"])
         except ValueError as e:
             rec_error = str(e)
     figs = charts.pays_charts(data)
@@ -422,8 +425,8 @@ def account_settings(request):
             _, new_token = tokens.create_token(request.user, form.cleaned_data["name"])
             form = TokenForm()
     response = render(request, "leaderboard/account_settings.html", {
-        "form": form, "new_token": new_token, "tokens": selectors.user_tokens(request.user),
-        "drafters": selectors.user_drafters(request.user),
+        "form": form, "new_token": new_token, "tokens": accounts.user_tokens(request.user),
+        "drafters": accounts.user_drafters(request.user),
     })
     response["Cache-Control"] = "no-store"  # a new token is shown once, never cached
     return response

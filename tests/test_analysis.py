@@ -324,9 +324,9 @@ def pays_board(media):
     """A protocol (chat, code; b 1, 2, 8; k 3; temperature 0) with a baseline, a draft
     model that is good on chat (GOOD) and late on code, and an n-gram drafter the other way
     round; every cell's records written to the storage as a worker writes them."""
-    from leaderboard import runs
+    from leaderboard import records
     from leaderboard.models import Result
-    from worker.protocol import Cell
+    from leaderboard.services import runs
 
     from . import factories as f
 
@@ -337,8 +337,7 @@ def pays_board(media):
     def store(run, cells, base=None):
         rows = []
         for c in cells:
-            runs._write_gz_lines(runs.cell_records_name(run.pk, Cell(
-                c["task"], c["batch_size"], 0.0, c["k"])), c["records"])
+            records.write_cell(run.pk, {**c, "temperature": 0.0}, c["records"])
             figures = {k: v for k, v in c.items() if k not in ("task", "batch_size",
                                                                 "temperature", "k", "records")}
             r = Result(run=run, task=c["task"], batch_size=c["batch_size"], temperature=0.0,
@@ -349,7 +348,7 @@ def pays_board(media):
                 r.speedup = metrics.speedup(r.output_throughput, b.output_throughput)
             r.save()
             rows.append(r)
-        run.artifact = runs._assemble_artifact(run)
+        run.artifact = records.write_artifact(run.pk, (c["records"] for c in cells))
         run.save(update_fields=["artifact"])
         if base is not None:   # what runs.finish does for a succeeded drafter run
             assert runs.record_analysis(run) == len(rows)
@@ -439,10 +438,10 @@ def test_the_drafter_page_shows_its_breakdown_bounds_and_crossover(
         response = client.get(reverse("drafter", args=["pays-draft"]))
     html = response.content.decode()
     assert 'id="pays"' in html and 'id="fig-pays_bounds"' in html and 'id="pays-cells"' in html
-    from leaderboard import selectors
+    from leaderboard import pays
 
     cells = {(a["task"], a["batch_size"]): a
-             for a in selectors.drafter_analysis(response.context["page"])["cells"]}
+             for a in pays.drafter_analysis(response.context["page"])["cells"]}
     assert cells[("chat", 2)]["predicted_speedup"] == pytest.approx(
         (14 / 6) * t_fwd(2) / (DRAFT_COST + t_fwd(8)))
 
@@ -482,11 +481,11 @@ def test_the_recommend_api_picks_the_known_best_and_refuses_a_bad_mix(client, pa
 
 
 def test_the_results_export_carries_the_analysis_columns(client, pays_board):
-    from leaderboard import selectors
+    from leaderboard.selectors import results
 
     response = client.get("/api/results", {"protocol": "pays@1", "format": "csv"})
     reader = csv.DictReader(io.StringIO(b"".join(response.streaming_content).decode()))
-    assert reader.fieldnames == list(selectors.RESULT_COLUMNS)
+    assert reader.fieldnames == list(results.RESULT_COLUMNS)
     rows = list(reader)
     row = next(r for r in rows if r["drafter"] == "pays-draft" and r["task"] == "chat"
                and r["batch_size"] == "2")

@@ -5,7 +5,7 @@ import time
 import pytest
 from django.core.management import call_command
 
-from leaderboard import runs, services
+from leaderboard.services import runs, setup
 from leaderboard.models import Drafter, Result, Run
 from worker.protocol import ProtocolSpec, TaskSpec
 
@@ -16,9 +16,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
 
 def tiny_protocol(target_dir, shared_data, slug="tiny", batch_sizes=(1, 2), prompts=2,
                   max_new_tokens=16):
-    target, _ = services.ensure_target("smollm2", "SmolLM2-135M-Instruct", target_dir)
-    qa, _ = services.import_prompt_set(shared_data / "eagle" / "qa.jsonl", "spec-bench", slug="qa")
-    code, _ = services.import_prompt_set(shared_data / "eagle" / "humaneval.jsonl", "spec-bench",
+    target, _ = setup.ensure_target("smollm2", "SmolLM2-135M-Instruct", target_dir)
+    qa, _ = setup.import_prompt_set(shared_data / "eagle" / "qa.jsonl", "spec-bench", slug="qa")
+    code, _ = setup.import_prompt_set(shared_data / "eagle" / "humaneval.jsonl", "spec-bench",
                                          slug="eagle-humaneval")
     spec = ProtocolSpec(
         slug=slug, version=1, target=target.slug, target_sha256=target.weights_sha256,
@@ -27,7 +27,7 @@ def tiny_protocol(target_dir, shared_data, slug="tiny", batch_sizes=(1, 2), prom
                TaskSpec("code", "eagle-humaneval", code.source_sha256, prompts)),
         temperatures=(0.0,), max_new_tokens=max_new_tokens, seed=0, batch_sizes=batch_sizes, ks=(3,),
         warmup_requests=1)
-    protocol, _ = services.ensure_protocol(spec, target)
+    protocol, _ = setup.ensure_protocol(spec, target)
     ngram = Drafter.objects.create(slug="ngram", name="n-gram", method="ngram", target=target,
                                    params={"prompt_lookup_min": 1, "prompt_lookup_max": 3})
     return protocol, ngram
@@ -94,7 +94,7 @@ def test_baseline_and_ngram_measured_through_celery(demo_target_dir, shared_data
 
     # The same task delivered twice more: no-ops, the rows stay as they are.
     before = list(Result.objects.filter(run=run).values_list("pk", "measured_at"))
-    from worker.tasks import measure_run
+    from leaderboard.tasks import measure_run
 
     measure_run.apply_async(args=[run.pk], queue="cpu")
     measure_run.apply_async(args=[run.pk], queue="cpu")

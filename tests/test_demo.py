@@ -24,7 +24,7 @@ from leaderboard import demo_engine as de
 from leaderboard.demo_trace import (ACCEPTED, BONUS, CORRECTED, TARGET, TraceView, counters,
                                     counters_markdown, step_counts, step_labels)
 from leaderboard.models import Drafter, DrafterFile, Prompt, PromptSet, Target, TrainingDataset
-from leaderboard.training import register_drafter
+from leaderboard.services.training import register_drafter
 from worker import metrics
 from worker.engines.reference import StepTrace
 from worker.proposers import make_proposer

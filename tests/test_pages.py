@@ -12,7 +12,7 @@ from django.core.files.base import ContentFile
 from django.core.management import call_command
 from django.urls import reverse
 
-from leaderboard import selectors
+from leaderboard.selectors import protocols
 from leaderboard.models import ApiToken, Drafter, Result, Run
 from worker import metrics
 
@@ -132,7 +132,7 @@ def test_leaderboard_links_the_raw_data(client, board, media):
 
 def test_leaderboard_defaults_to_the_newest_protocol_with_results(client, board):
     newer = f.make_protocol(board["protocol"].target, slug="newer-empty")
-    assert selectors.get_protocol() == board["protocol"]  # newer has no results
+    assert protocols.get_protocol() == board["protocol"]  # newer has no results
     response = client.get(reverse("home"), {"protocol": f"{newer.slug}@1"})
     assert response.status_code == 200 and response.context["board"]["rows"] == []
     assert client.get(reverse("home"), {"protocol": "nope@1"}).status_code == 404
@@ -298,7 +298,7 @@ def test_protocol_page_shows_the_spec_prompt_sets_policy_and_definitions(client,
     assert escape(protocol.canonical_json) in html
     ps = f.make_prompt_set()
     assert ps.source_sha256 in html and ">6<" in html  # 2 categories x 3 prompts
-    policy = selectors.multi_turn_policy()
+    policy = protocols.multi_turn_policy()
     assert policy.startswith("How a prompt with several user turns is sent")
     assert escape(policy) in html
     for name, text in metrics.definitions():

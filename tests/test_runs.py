@@ -5,10 +5,10 @@ import json
 import pytest
 from django.core.files.base import ContentFile
 
-from leaderboard import runs, services
+from leaderboard.services import runs, setup
 from leaderboard.models import Drafter, DrafterFile, Protocol, Run, Target
 from worker.protocol import ProtocolSpec, TaskSpec
-from worker.tasks import execute_run
+
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -20,7 +20,7 @@ def protocol(demo_target_dir, shared_data, settings, tmp_path):
     target = Target.objects.create(slug="t", name="T", path=str(demo_target_dir),
                                    weights_sha256="0" * 64, vocab_size=49152, hidden_size=576,
                                    num_layers=30)
-    qa, _ = services.import_prompt_set(shared_data / "eagle" / "qa.jsonl", "spec-bench", slug="qa")
+    qa, _ = setup.import_prompt_set(shared_data / "eagle" / "qa.jsonl", "spec-bench", slug="qa")
     spec = ProtocolSpec(slug="p", version=1, target="t", target_sha256="0" * 64, engine="vllm",
                         hardware="cpu", tasks=(TaskSpec("qa", "qa", qa.source_sha256, 1),),
                         batch_sizes=(1,), ks=(2,))
@@ -48,7 +48,7 @@ def test_claim_is_a_compare_and_set(protocol):
 def test_a_cancelled_queued_run_is_never_claimed(protocol):
     run = runs.queue_run(protocol, None, send=False)
     assert runs.request_cancel(run) == Run.CANCELLED
-    assert execute_run(run.pk) is None
+    assert runs.execute_run(run.pk) is None
     run.refresh_from_db()
     assert run.state == Run.CANCELLED and run.attempts == 0
 
@@ -63,7 +63,7 @@ def test_corrupt_drafter_file_fails_the_run_with_a_reason(protocol, demo_target_
         f = DrafterFile(drafter=drafter, name=name, size=len(data), sha256="0" * 64)
         f.file.save(name, ContentFile(data), save=True)
     run = runs.queue_run(protocol, drafter, send=False)
-    assert execute_run(run.pk) == Run.FAILED
+    assert runs.execute_run(run.pk) == Run.FAILED
     run.refresh_from_db()
     assert run.state == Run.FAILED and run.finished_at is not None
     assert "model.safetensors" in run.error and "truncated" in run.error
@@ -73,6 +73,6 @@ def test_corrupt_drafter_file_fails_the_run_with_a_reason(protocol, demo_target_
 def test_unsupported_method_names_method_and_hardware(protocol):
     drafter = Drafter.objects.create(slug="m", name="mtp", method="mtp", target=protocol.target)
     run = runs.queue_run(protocol, drafter, send=False)
-    assert execute_run(run.pk) == Run.FAILED
+    assert runs.execute_run(run.pk) == Run.FAILED
     run.refresh_from_db()
     assert "'mtp'" in run.error and "'cpu'" in run.error

@@ -154,13 +154,13 @@ def test_resume_continues_exactly_where_the_checkpoint_stopped(train, tmp_path):
 
 @pytest.fixture
 def site(settings, tmp_path, demo_target_dir):
-    from leaderboard import services
+    from leaderboard.services import setup
 
     from .factories import make_protocol, make_prompt_set
 
     settings.MEDIA_ROOT = tmp_path / "media"
     settings.DATA_DIR = tmp_path / "data"
-    target, _ = services.ensure_target("smollm2", "SmolLM2-135M-Instruct", demo_target_dir)
+    target, _ = setup.ensure_target("smollm2", "SmolLM2-135M-Instruct", demo_target_dir)
     prompt_set = make_prompt_set("eval-set", categories=("writing",), per_category=2)
     prompt_set.prompts.create(external_id="q-7", position=9, category="writing",
                               turns=["Write a short poem about the sea.", "Now shorter."])
@@ -187,8 +187,8 @@ def test_make_training_data_refuses_an_evaluation_prompt(site, tmp_path):
 
 @pytest.mark.django_db
 def test_trained_drafter_is_registered_with_its_recipe_and_queued(site, tmp_path, capsys):
-    from leaderboard import selectors
     from leaderboard.models import Drafter, Run, TrainingDataset
+    from leaderboard.selectors import drafters
 
     target, protocol = site
     file = write_prompts(tmp_path / "p.jsonl", PROMPTS[1:3])
@@ -214,7 +214,7 @@ def test_trained_drafter_is_registered_with_its_recipe_and_queued(site, tmp_path
     assert sorted(drafter.files.values_list("name", flat=True)) == ["config.json", "model.safetensors"]
     run = Run.objects.get(drafter=drafter)
     assert run.state == Run.QUEUED and run.protocol == protocol
-    summary = selectors.drafter_api_summary(drafter)
+    summary = drafters.drafter_api_summary(drafter)
     assert summary["training"]["recipe"] == "medusa" and summary["training"]["seed"] == 7
     assert summary["training"]["data_sha256"] == data.sha256
     from django.test import Client

@@ -101,12 +101,14 @@ higher-or-equal AL, one of them strictly.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import re
 from dataclasses import dataclass
 
 from worker import metrics
 
+log = logging.getLogger(__name__)
 NO_DRAFT_COST_METHODS = ("ngram",)
 
 
@@ -426,6 +428,37 @@ def analyse_run(cells: list[dict], baseline_cells: list[dict], method: str | Non
             for c in cells]
 
 
+def analyse_run_or_stored_only(cells: list[dict], baseline_cells: list[dict],
+                               method: str | None, what: str = "run") -> list[dict]:
+    """analyse_run; where the raw records do not have the expected shape they are logged and
+    left out (the cells' stored figures still count), never a failed page or run."""
+    try:
+        return analyse_run(cells, baseline_cells, method)
+    except (KeyError, TypeError, ValueError, ArithmeticError) as e:
+        log.warning("%s: raw records not analysable: %r", what, e)
+        return analyse_run([{**c, "records": []} for c in cells], baseline_cells, method)
+
+
+# The analysis figures stored on each result row (and exported), from one analysed cell.
+EXPORT_COLUMNS = ("tokens_per_step", "predicted_speedup", "engine_efficiency",
+                  "oracle_speedup", "no_waste_speedup", "prefill_share",
+                  "verification_share", "drafting_other_share")
+
+
+def export_values(a: dict | None) -> list:
+    """The EXPORT_COLUMNS of one analysed cell (Nones without one)."""
+    if not a:
+        return [None] * len(EXPORT_COLUMNS)
+    shares = a.get("shares") or {}
+    drafting_other = shares.get("drafting_other")
+    if drafting_other is None and shares:
+        parts = [shares.get(p) for p in ("drafting", "sampling", "other")]
+        drafting_other = sum(parts) if all(p is not None for p in parts) else None
+    return [a.get("tokens_per_step"), a.get("predicted_speedup"), a.get("engine_efficiency"),
+            a.get("oracle_speedup"), a.get("no_waste_speedup"), shares.get("prefill"),
+            shares.get("verification"), drafting_other]
+
+
 # ----------------------------------------------------------------------------- combine
 
 def oracle_combine(drafter_records: dict[str, list[dict]], k: int, model: CostModel | None,
@@ -485,15 +518,19 @@ def oracle_combine(drafter_records: dict[str, list[dict]], k: int, model: CostMo
 
 # ----------------------------------------------------------------------------- protocol
 
-def speedup_by_batch(cells: list[dict], baseline_cells: list[dict]) -> dict[int, float]:
-    """{b: summed throughput over tasks / the baseline's on the same tasks}: each speedup
-    from cells of one drafter, k and temperature."""
+def speedup_by_batch(cells: list[dict], baseline_cells: list[dict]) -> dict[int, float | None]:
+    """{b: summed throughput over tasks / the baseline's summed throughput over the same
+    (task, b, temperature) cells}, each from cells of one drafter and k. The one rule for a
+    speedup over several cells (charts, "When does it pay?", the recommender): a batch size
+    where any of the drafter's cells lacks its baseline cell has no speedup (None), rather
+    than one over a different set of tasks."""
     out = {}
-    base = {(c["task"], c["batch_size"]): c for c in baseline_cells}
+    base = {(c["task"], c["batch_size"], float(c["temperature"])): c for c in baseline_cells}
     for b in sorted({c["batch_size"] for c in cells}):
         mine = [c for c in cells if c["batch_size"] == b]
-        bs = [base.get((c["task"], b)) for c in mine]
+        bs = [base.get((c["task"], b, float(c["temperature"]))) for c in mine]
         if any(x is None for x in bs):
+            out[b] = None
             continue
         thr = metrics.output_throughput(sum(c["generated_tokens"] for c in mine),
                                         sum(c["wall_seconds"] for c in mine))

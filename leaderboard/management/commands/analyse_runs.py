@@ -1,7 +1,7 @@
 from django.core.management.base import BaseCommand, CommandError
 
 from leaderboard.models import Run
-from leaderboard.runs import record_analysis
+from leaderboard.services.runs import record_analysis
 
 
 class Command(BaseCommand):

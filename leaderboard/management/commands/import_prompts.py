@@ -1,6 +1,6 @@
 from django.core.management.base import BaseCommand, CommandError
 
-from leaderboard.services import ServiceError, import_prompt_set
+from leaderboard.services.setup import ServiceError, import_prompt_set
 from worker.prompts import FORMATS, PromptFileError
 
 

@@ -2,8 +2,8 @@ import sys
 
 from django.core.management.base import BaseCommand, CommandError
 
-from leaderboard.services import ServiceError
-from leaderboard.training import find_target, make_training_data
+from leaderboard.services.setup import ServiceError
+from leaderboard.services.training import find_target, make_training_data
 from worker.training.data import TrainingDataError
 
 

@@ -2,7 +2,7 @@ import sys
 
 from django.core.management.base import BaseCommand, CommandError
 
-from leaderboard import runs
+from leaderboard.services import runs
 from leaderboard.models import Drafter, Protocol
 
 
@@ -58,7 +58,7 @@ class Command(BaseCommand):
     def _sync(self, run):
         from tqdm import tqdm
 
-        from worker.tasks import execute_run
+        from leaderboard.services.runs import execute_run
 
         who = run.drafter.name if run.drafter_id else "baseline"
         bar = tqdm(total=run.cells_total, desc=f"run {run.pk} ({who})", unit="cell",

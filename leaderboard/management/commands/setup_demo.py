@@ -1,6 +1,6 @@
 from django.core.management.base import BaseCommand
 
-from leaderboard.services import queue_demo_runs, setup_demo
+from leaderboard.services.setup import queue_demo_runs, setup_demo
 
 
 class Command(BaseCommand):

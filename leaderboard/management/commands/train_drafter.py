@@ -1,7 +1,7 @@
 from django.core.management.base import BaseCommand, CommandError
 
-from leaderboard.services import ServiceError
-from leaderboard.training import (find_dataset, find_protocol, find_target, train_and_register,
+from leaderboard.services.setup import ServiceError
+from leaderboard.services.training import (find_dataset, find_protocol, find_target, train_and_register,
                                   trained_drafter)
 from worker.training import RECIPES, ResumeError
 

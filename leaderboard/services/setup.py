@@ -1,5 +1,5 @@
-"""Services: everything that writes. Pages, commands, the API and the Celery tasks call
-these; reads go through leaderboard/selectors.py."""
+"""Set-up services: targets, protocols, prompt-set import and the demo set (target, prompt
+sets, protocol, n-gram drafter, its first runs)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,7 +12,8 @@ from worker import demo_assets
 from worker.prompts import parse_prompt_file
 from worker.protocol import ProtocolSpec, TaskSpec
 
-from .models import Drafter, Prompt, PromptSet, Protocol, Target
+from ..models import Drafter, Prompt, PromptSet, Protocol, Target
+from .runs import queue_run
 
 
 class ServiceError(Exception):
@@ -130,8 +131,6 @@ def setup_demo(progress=print, prompts_per_task=None):
 
 def queue_demo_runs(rows):
     """Queue the baseline and every demo drafter that has no run under the demo protocol."""
-    from .runs import queue_run
-
     protocol, queued = rows["protocol"], []
     if not protocol.runs.filter(drafter__isnull=True).exists():
         queued.append(queue_run(protocol, None))

@@ -25,7 +25,7 @@ from worker.checkpoint import (CheckpointRejected, Problem, TargetFacts, validat
 from worker.protocol import canonical_json
 
 from . import runs
-from .models import Drafter, DrafterFile, Protocol, Run
+from ..models import Drafter, DrafterFile, Protocol, Run
 
 EDITABLE_FIELDS = ("name", "description", "link", "licence", "claimed_acceptance_length",
                    "claimed_speedup", "claimed_source")
@@ -151,7 +151,7 @@ def submit_drafter(*, owner, protocol: Protocol, method: str, name: str, uploads
     SubmissionRefused (nothing stored) for the rate limit, bad parameters, a refused upload
     (the checkpoint's problems) or a duplicate content hash under the same protocol.
     ``extra_fields``: more Drafter fields (the training provenance of a baseline drafter,
-    leaderboard/training.py); a drafter without an owner (a site baseline) has no rate limit."""
+    leaderboard/services/training.py); a drafter without an owner (a site baseline) has no rate limit."""
     if owner is not None:
         check_rate_limit(owner)
     params = check_params(method, params or {}, protocol)

@@ -1,5 +1,10 @@
-"""Run services: queue, claim, record cells, finish, cancel. The Celery task
-(worker/tasks.py) is a thin shell over these; `manage.py measure --sync` calls them too.
+"""Run service: queue, claim, measure, record cells, finish, cancel. The Celery task
+(leaderboard/tasks.py) calls `execute_run`; so does `manage.py measure --sync`.
+
+execute_run(run_id): claim the run (compare-and-set), build the job from the database,
+measure in a child process (worker/runner.py), write each cell as soon as it is measured,
+honour the cancel flag between cells, finish the run once. A redelivered message for a run
+that another live worker holds, or that is finished, does nothing.
 
 Guarantees: a run is claimed by a compare-and-set update (a duplicate delivery is a no-op);
 each cell is an upsert on its unique key (a redelivery never doubles a row); a run whose
@@ -7,27 +12,29 @@ worker died is taken over and measures only its missing cells.
 """
 from __future__ import annotations
 
-import gzip
-import io
-import json
 import logging
+import os
 import socket
 import time
 from datetime import timedelta
 from pathlib import Path
 
+from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
-from django.core.files.base import ContentFile
-from django.core.files.storage import default_storage
 from django.db import IntegrityError, transaction
 from django.db.models import F, Q
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from worker import metrics
+from worker import analysis, metrics
+from worker.measure import DrafterSpec, MeasureJob, PromptItem
+from worker.methods import check_supported
 from worker.protocol import Cell
+from worker.runner import ChildFailed, log_tail, run_job_in_child
 
-from .models import Drafter, Prompt, Protocol, Result, Run
+from .. import records
+from ..celery import MEASURE_RUN, app
+from ..models import Drafter, Prompt, Protocol, Result, Run
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +45,11 @@ class RunError(Exception):
 
 # ---- queueing ----------------------------------------------------------------------
 
-def enqueue(run: Run):
-    """Send the run to its hardware class's queue once the transaction commits."""
-    from worker.tasks import measure_run
-
-    transaction.on_commit(lambda: measure_run.apply_async(args=[run.pk], queue=run.hardware))
+def enqueue(run: Run, countdown: float | None = None):
+    """Send the run to its hardware class's queue once the transaction commits (by task
+    name: leaderboard/tasks.py defines the task)."""
+    transaction.on_commit(lambda: app.send_task(MEASURE_RUN, args=[run.pk], queue=run.hardware,
+                                                countdown=countdown))
 
 
 def cells_for(protocol: Protocol, drafter: Drafter | None):
@@ -88,7 +95,7 @@ def request_cancel(run: Run) -> str:
 # ---- claiming ----------------------------------------------------------------------
 
 def worker_host():
-    return f"{socket.gethostname()}:{__import__('os').getpid()}"
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def claim(run_id: int, host: str) -> Run | None:
@@ -116,8 +123,6 @@ def stale_runs(queues):
 # ---- building the job ----------------------------------------------------------------
 
 def prompts_for(protocol: Protocol):
-    from worker.measure import PromptItem
-
     out = {}
     for task in protocol.spec_obj.tasks:
         qs = Prompt.objects.filter(prompt_set__slug=task.prompt_set)
@@ -157,9 +162,6 @@ def drafter_folder(drafter: Drafter) -> str:
 
 
 def build_job(run: Run):
-    from worker.measure import DrafterSpec, MeasureJob
-    from worker.methods import check_supported
-
     protocol, drafter = run.protocol, run.drafter
     if drafter is None:
         spec = DrafterSpec(method="baseline")
@@ -180,33 +182,6 @@ def build_job(run: Run):
 
 # ---- recording -----------------------------------------------------------------------
 
-def cell_records_name(run_id, cell: Cell):
-    return f"runs/{run_id}/cells/{cell.task}-b{cell.batch_size}-t{cell.temperature:g}-k{cell.k}.jsonl.gz"
-
-
-def _write_gz_lines(name, records):
-    buf = io.BytesIO()
-    with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) as gz:
-        for r in records:
-            gz.write((json.dumps(r, separators=(",", ":")) + "\n").encode())
-    if default_storage.exists(name):
-        default_storage.delete(name)
-    return default_storage.save(name, ContentFile(buf.getvalue()))
-
-
-def _read_gz_lines(name):
-    if not default_storage.exists(name):
-        return []
-    with default_storage.open(name, "rb") as f:
-        data = gzip.decompress(f.read())
-    return [json.loads(line) for line in data.decode().splitlines() if line.strip()]
-
-
-def cell_outputs(run_id, cell: Cell):
-    return {r["prompt_id"]: r["output_token_ids"]
-            for r in _read_gz_lines(cell_records_name(run_id, cell))}
-
-
 def matching_baseline_cell(run: Run, cell: Cell):
     """The baseline cell that this cell's speedup divides by: same protocol, task, batch
     size, temperature, engine version and hardware class. None until it is measured."""
@@ -217,8 +192,10 @@ def matching_baseline_cell(run: Run, cell: Cell):
     ).exclude(run__state__in=[Run.FAILED, Run.CANCELLED]).order_by("-run__queued_at").first()
 
 
-def compare_with_baseline(result: Result, outputs=None):
-    """Fill in speedup and (at temperature 0) the lossless share against the baseline."""
+def compare_with_baseline(result: Result, outputs: dict, baseline_records=None) -> bool:
+    """Fill in speedup and (at temperature 0) the lossless share against the baseline.
+    `outputs` are this cell's outputs by prompt id; `baseline_records` the baseline run's
+    RunRecords when the caller has them (else read here)."""
     run = result.run
     cell = Cell(result.task, result.batch_size, result.temperature, result.k)
     base = matching_baseline_cell(run, cell)
@@ -227,9 +204,10 @@ def compare_with_baseline(result: Result, outputs=None):
     result.baseline_result = base
     result.speedup = metrics.speedup(result.output_throughput, base.output_throughput)
     if result.temperature == 0:
-        outputs = outputs if outputs is not None else cell_outputs(run.pk, cell)
+        if baseline_records is None or baseline_records.run_id != base.run_id:
+            baseline_records = records.RunRecords(base.run_id)
         base_cell = Cell(base.task, base.batch_size, base.temperature, 0)
-        result.lossless_share = metrics.lossless_share(outputs, cell_outputs(base.run_id, base_cell))
+        result.lossless_share = metrics.lossless_share(outputs, baseline_records.outputs(base_cell))
     result.save(update_fields=["baseline_result", "speedup", "lossless_share"])
     return True
 
@@ -237,7 +215,7 @@ def compare_with_baseline(result: Result, outputs=None):
 def record_cell(run: Run, cell_result) -> Result:
     """Upsert one measured cell (its raw records first, so a row never lacks them)."""
     cell = cell_result.cell
-    _write_gz_lines(cell_records_name(run.pk, cell), cell_result.records)
+    records.write_cell(run.pk, cell, cell_result.records)
     key = dict(run=run, task=cell.task, batch_size=cell.batch_size,
                temperature=float(cell.temperature), k=cell.k)
     values = dict(cell_result.figures, measured_at=timezone.now())
@@ -248,7 +226,7 @@ def record_cell(run: Run, cell_result) -> Result:
         Result.objects.filter(**key).update(**values)
         result = Result.objects.get(**key)
     if not run.is_baseline:
-        compare_with_baseline(result, outputs=cell_result.outputs)
+        compare_with_baseline(result, cell_result.outputs)
     return result
 
 
@@ -276,51 +254,51 @@ def heartbeat_and_cancel_flag(run: Run) -> bool:
     return Run.objects.filter(pk=run.pk, cancel_requested=True).exists()
 
 
-def _assemble_artifact(run: Run):
-    records = []
-    for cell in cells_for(run.protocol, run.drafter):
-        records.extend(_read_gz_lines(cell_records_name(run.pk, cell)))
-    name = _write_gz_lines(f"runs/{run.pk}/requests.jsonl.gz", records)
-    return name
-
-
 def finish(run: Run, state: str, error: str = "", tail: str = ""):
-    """Mark the run finished exactly once (only a running run can finish)."""
+    """Mark the run finished exactly once (only a running run can finish). A succeeded run's
+    records are read once, for its artifact and then its analysis or the speedups that were
+    waiting for it (a baseline)."""
     fields = dict(state=state, finished_at=timezone.now(), eta_seconds=None,
                   error=error[:10000], log_tail=tail[-20000:])
+    run_records = records.RunRecords(run.pk)
     if state == Run.SUCCEEDED:
-        fields["artifact"] = _assemble_artifact(run)
+        fields["artifact"] = records.write_artifact(
+            run.pk, (run_records.cell(c) for c in cells_for(run.protocol, run.drafter)))
         fields["cells_done"] = Result.objects.filter(run=run).count()
     changed = Run.objects.filter(pk=run.pk, state=Run.RUNNING).update(**fields)
     if changed and state == Run.SUCCEEDED:
         if run.is_baseline:
-            backfill_speedups(run)
+            backfill_speedups(run, run_records)
         else:
-            record_analysis(run)
+            record_analysis(run, run_records)
     return bool(changed)
 
 
-def backfill_speedups(baseline: Run):
+def backfill_speedups(baseline: Run, baseline_records: records.RunRecords):
     """Drafter cells measured before their baseline get their speedup and lossless share,
     and their succeeded runs their analysis."""
     pending = Result.objects.filter(
         run__protocol_id=baseline.protocol_id, run__hardware=baseline.hardware,
         run__engine_version=baseline.engine_version, run__drafter__isnull=False,
-        baseline_result__isnull=True).select_related("run")
-    runs = {}
+        baseline_result__isnull=True).select_related("run").order_by("run_id")
+    drafter_runs = {}
     for result in pending:
-        if compare_with_baseline(result) and result.run.state == Run.SUCCEEDED:
-            runs[result.run_id] = result.run
-    for drafter_run in runs.values():
-        record_analysis(drafter_run)
+        run_records = drafter_runs.get(result.run_id, (None, None))[1] \
+            or records.RunRecords(result.run_id)
+        cell = Cell(result.task, result.batch_size, result.temperature, result.k)
+        if compare_with_baseline(result, run_records.outputs(cell), baseline_records):
+            drafter_runs[result.run_id] = (result.run, run_records)
+    for drafter_run, run_records in drafter_runs.values():
+        if drafter_run.state == Run.SUCCEEDED:
+            record_analysis(drafter_run, run_records, baseline_records)
 
 
-def record_analysis(run: Run) -> int:
-    """Store the "When does it pay?" figures (selectors.ANALYSIS_COLUMNS, worker.analysis)
-    on the cells of a succeeded drafter run whose baseline has succeeded. Returns the
-    number of cells updated (0 when there is no baseline yet or no raw records)."""
-    from . import selectors
-
+def record_analysis(run: Run, run_records: records.RunRecords | None = None,
+                    baseline_records: records.RunRecords | None = None) -> int:
+    """Store the "When does it pay?" figures (worker.analysis.EXPORT_COLUMNS) on the cells
+    of a succeeded drafter run whose baseline has succeeded. Returns the number of cells
+    updated (0 when there is no baseline yet or no raw records). The records come from the
+    RunRecords given, else are read here."""
     results = list(Result.objects.filter(run=run).order_by("task", "batch_size",
                                                             "temperature", "k"))
     base_ids = {r.baseline_result_id for r in results if r.baseline_result_id}
@@ -328,15 +306,19 @@ def record_analysis(run: Run) -> int:
             .order_by("-queued_at").first() if base_ids else None)
     if run.drafter_id is None or base is None:
         return 0
-    cells = [selectors.cell_dict(r) for r in results]
-    base_cells = [selectors.cell_dict(r) for r in base.results.all()]
-    key = (run.pk, str(run.queued_at), base.pk, str(base.queued_at))
-    rows = selectors.run_analysis(run.pk, cells, base.pk, base_cells, run.drafter.method, key)
+    run_records = run_records or records.RunRecords(run.pk)
+    if baseline_records is None or baseline_records.run_id != base.pk:
+        baseline_records = records.RunRecords(base.pk)
+    cells = run_records.with_records([r.as_cell_dict() for r in results])
+    # The cost model reads the baseline's batch-1 records (prefill slope), the rest by TPOT.
+    base_cells = baseline_records.with_records([r.as_cell_dict() for r in base.results.all()],
+                                               batch_size=1)
+    rows = analysis.analyse_run_or_stored_only(cells, base_cells, run.drafter.method,
+                                               f"run {run.pk}")
     for result, row in zip(results, rows):
-        for column, value in zip(selectors.ANALYSIS_COLUMNS,
-                                 selectors.analysis_export_values(row)):
+        for column, value in zip(analysis.EXPORT_COLUMNS, analysis.export_values(row)):
             setattr(result, column, value)
-    Result.objects.bulk_update(results, list(selectors.ANALYSIS_COLUMNS))
+    Result.objects.bulk_update(results, list(analysis.EXPORT_COLUMNS))
     return len(results)
 
 
@@ -344,3 +326,64 @@ def run_log_path(run: Run) -> Path:
     folder = settings.VAR_DIR / "logs"
     folder.mkdir(parents=True, exist_ok=True)
     return folder / f"run-{run.pk}.log"
+
+
+# ---- measuring -----------------------------------------------------------------------
+
+def execute_run(run_id: int, host: str | None = None, progress=None) -> str | None:
+    """Measure one run to its end. Returns its final state, or None if not ours."""
+    run = claim(run_id, host or worker_host())
+    if run is None:
+        log.info("run %s: not claimed (finished, cancelled or held by a live worker)", run_id)
+        return None
+    log_path = run_log_path(run)
+    started, measured = time.monotonic(), 0
+
+    def on_event(event):
+        nonlocal measured
+        if isinstance(event, dict) and event.get("type") == "started":
+            record_started(run, event)
+            return
+        record_cell(run, event)
+        measured += 1
+        update_progress(run, measured, started)
+        if progress:
+            progress(run)
+
+    def should_stop():
+        # Called after every cell and every couple of seconds: a heartbeat, and the flag.
+        return heartbeat_and_cancel_flag(run)
+
+    try:
+        job = build_job(run)
+        outcome = run_job_in_child(job, log_path, on_event, should_stop)
+    except SoftTimeLimitExceeded:
+        minutes = round(settings.RUN_SOFT_LIMIT_S / 60)
+        finish(run, Run.FAILED, f"timed out after {minutes} minutes", log_tail(log_path))
+        return Run.FAILED
+    except ChildFailed as e:
+        finish(run, Run.FAILED, e.message, e.log_tail)
+        return Run.FAILED
+    except Exception as e:  # noqa: BLE001 - any failure is written on the run
+        log.exception("run %s failed", run_id)
+        finish(run, Run.FAILED, f"{type(e).__name__}: {e}", log_tail(log_path))
+        return Run.FAILED
+    if outcome == "stopped":
+        finish(run, Run.CANCELLED, "cancelled by request", log_tail(log_path))
+        return Run.CANCELLED
+    finish(run, Run.SUCCEEDED, tail=log_tail(log_path))
+    return Run.SUCCEEDED
+
+
+def resend_unfinished_runs(queues) -> None:
+    """When a worker starts: runs whose worker died mid-run on its queues (their heartbeat
+    goes stale) are sent again; the claim makes a duplicate a no-op, and the run measures
+    only its missing cells. Queued runs whose message was lost (the embedded broker keeps no
+    unacked messages across a kill) are sent again too."""
+    wait = settings.RUN_STALE_AFTER_S + 1
+    for run in Run.objects.filter(state=Run.RUNNING, hardware__in=queues):
+        enqueue(run, countdown=wait)
+        log.info("run %s: running; sent again in %ss, taken over only if its heartbeat is "
+                 "stale by then (its worker stopped)", run.pk, wait)
+    for run in Run.objects.filter(state=Run.QUEUED, hardware__in=queues):
+        enqueue(run)

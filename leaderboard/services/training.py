@@ -20,8 +20,8 @@ from django.utils.text import slugify
 
 from worker.checkpoint import Upload
 
-from .models import Drafter, Prompt, Protocol, Target, TrainingDataset
-from .services import ServiceError
+from ..models import Drafter, Prompt, Protocol, Target, TrainingDataset
+from .setup import ServiceError
 from .submissions import SubmissionRefused, submit_drafter
 
 

@@ -1,0 +1,291 @@
+""""When does it pay?": the analyses of worker.analysis on the runs' raw per-request records
+(leaderboard/records.py) for the drafter page's section, the protocol's page and its API,
+and the recommender. A succeeded run never changes, so what comes out is kept in Django's
+cache under the ids (and queue times) of the runs it was computed from."""
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import defaultdict
+
+from django.conf import settings
+from django.core.cache import cache
+
+from worker import analysis
+
+from . import records
+from .models import Protocol, Result, Run
+from .selectors.board import latest_succeeded_runs
+from .selectors.shapes import aggregate_cells, protocol_summary
+
+
+log = logging.getLogger(__name__)
+ANALYSIS_VERSION = 2
+ANALYSIS_CACHE_SECONDS = 7 * 24 * 3600
+
+
+def _cached(key_parts, build):
+    """build() once per key (Django's cache; off when SPECBOARD_PAGE_CACHE_SECONDS is 0)."""
+    if settings.SPECBOARD_PAGE_CACHE_SECONDS <= 0:
+        return build()
+    key = "analysis:" + hashlib.sha256(repr((ANALYSIS_VERSION, key_parts)).encode()).hexdigest()
+    value = cache.get(key)
+    if value is None:
+        value = build()
+        cache.set(key, value, ANALYSIS_CACHE_SECONDS)
+    return value
+
+
+def baseline_for_cost_model(run_id: int | None, cells: list[dict]) -> list[dict]:
+    """A baseline run's cells as the cost model reads them: the batch-size-1 cells with
+    their records (the prefill slope), the others' TPOT alone."""
+    if run_id is None:
+        return cells
+    return records.RunRecords(run_id).with_records(cells, batch_size=1)
+
+
+def run_analysis(run_id: int, cells: list[dict], baseline_run_id: int | None,
+                 baseline_cells: list[dict], method: str | None, cache_key=None) -> list[dict]:
+    """worker.analysis.analyse_run on a run's cells and its baseline's, with the records read
+    from the storage. Cached under cache_key (the runs' ids and queue times) when given:
+    only for succeeded runs, whose records never change."""
+    def build():
+        return analysis.analyse_run_or_stored_only(
+            records.RunRecords(run_id).with_records(cells),
+            baseline_for_cost_model(baseline_run_id, baseline_cells), method, f"run {run_id}")
+    if cache_key is None:
+        return build()
+    return _cached(("run", cache_key), build)
+
+
+def drafter_analysis(page: dict) -> dict:
+    """The drafter page's "When does it pay?" section: per cell the time breakdown, the
+    measured, predicted and oracle speedups, and the crossover batch size per (k,
+    temperature). No query: the page's cells and baseline cells, the records from storage."""
+    run, base = page.get("run"), page.get("baseline_run")
+    cells = page.get("cells") or []
+    if not run or not cells:
+        return {"cells": [], "curves": [], "has_records": False}
+    key = None
+    if run["state"] == Run.SUCCEEDED and base and base["state"] == Run.SUCCEEDED:
+        key = (run["id"], str(run["queued_at"]), base["id"], str(base["queued_at"]))
+    method = (page.get("drafter") or {}).get("method")
+    rows = run_analysis(run["id"], cells, base["id"] if base else None,
+                        page.get("baseline_cells") or [], method, key)
+    curves = []
+    for t in sorted({c["temperature"] for c in cells}):
+        base_t = [c for c in page.get("baseline_cells") or [] if c["temperature"] == t]
+        for k in sorted({c["k"] for c in cells}):
+            sp = analysis.speedup_by_batch([c for c in cells if c["k"] == k
+                                            and c["temperature"] == t], base_t)
+            by_batch = [{"batch_size": b, "measured_speedup": sp.get(b), **_pooled(
+                [a for a in rows if a["k"] == k and a["temperature"] == t
+                 and a["batch_size"] == b])}
+                for b in sorted({c["batch_size"] for c in cells})]
+            curves.append({"k": k, "temperature": t, "by_batch": by_batch,
+                           "crossover": analysis.crossover(sp)})
+    return {"cells": rows, "curves": curves,
+            "has_records": any(r.get("steps") for r in rows)}
+
+
+def _mean(values):
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def _pooled(rows: list[dict]) -> dict:
+    """Measured-cost pooling of analysed cells (one drafter, k, temperature and batch size,
+    several tasks): predicted and oracle speedups as ratios of summed predicted times."""
+    ok = [r for r in rows if r.get("predicted_speedup") and r.get("t_fwd_b")]
+    if not ok:
+        return {"predicted_speedup": None, "oracle_speedup": None, "shares": None}
+    base_time = sum(r["tokens"] * r["t_fwd_b"] for r in ok)
+    pred_time = sum(r["tokens"] * r["t_fwd_b"] / r["predicted_speedup"] for r in ok)
+    oracle_time = sum(r["tokens"] * r["t_fwd_b"] / r["oracle_speedup"] for r in ok
+                      if r.get("oracle_speedup"))
+    walls = [r for r in rows if r.get("breakdown") and r.get("wall_seconds")]
+    shares = None
+    if walls:
+        total = sum(r["wall_seconds"] for r in walls)
+        phases = sorted({p for r in walls for p in r["breakdown"]})
+        shares = {p: sum((r["breakdown"].get(p) or 0.0) for r in walls) / total for p in phases}
+    return {"predicted_speedup": base_time / pred_time if pred_time else None,
+            "oracle_speedup": base_time / oracle_time if oracle_time else None,
+            "shares": shares}
+
+
+def protocol_pays(protocol: Protocol, temperature: float | None = None) -> dict:
+    """The "When does it pay?" page and GET /api/protocols/{slug}/{version}/analysis: for
+    one temperature (default the protocol's first), over each drafter's newest succeeded
+    run and the baseline of its engine version: the best (drafter, k) per task and batch
+    size, each (drafter, k)'s speedups by batch size (measured, predicted, oracle) and
+    crossover, time shares, the oracle combination across drafters and the acceptance/cost
+    points with their Pareto frontier. Two queries; the records from storage; cached under
+    the runs' ids (then one query)."""
+    spec = protocol.spec
+    temps = [float(t) for t in spec["temperatures"]]
+    temperature = temps[0] if temperature is None or float(temperature) not in temps \
+        else float(temperature)
+    tasks = [t["task"] for t in spec["tasks"]]
+    batch_sizes, ks = list(spec["batch_sizes"]), list(spec["ks"])
+    drafter_runs, baselines = latest_succeeded_runs(protocol)
+    key = (protocol.pk, protocol.sha256, temperature,
+           sorted((r["id"], str(r["queued_at"])) for r in drafter_runs),
+           sorted((r["id"], str(r["queued_at"])) for r in baselines.values()))
+    ids = [r["id"] for r in drafter_runs] + [r["id"] for r in baselines.values()]
+
+    def build():
+        by_run = defaultdict(list)
+        for res in (Result.objects.filter(run_id__in=ids, temperature=temperature)
+                    .order_by("run_id", "task", "batch_size", "k")):
+            by_run[res.run_id].append(res.as_cell_dict())
+        return _protocol_pays(protocol, temperature, tasks, batch_sizes, ks, drafter_runs,
+                              baselines, by_run)
+    out = _cached(("protocol", key), build)
+    return {**out, "protocol": protocol_summary(protocol)}
+
+
+def _protocol_pays(protocol, temperature, tasks, batch_sizes, ks, drafter_runs, baselines,
+                   by_run) -> dict:
+    entries, drafters, curves, points, combine_inputs = [], [], [], [], defaultdict(dict)
+    base_outputs, base_records = {}, {}
+    for r in sorted(drafter_runs, key=lambda r: r["drafter"]["name"].lower()):
+        d = r["drafter"]
+        base_run = baselines.get(r["engine_version"])
+        cells = by_run.get(r["id"], [])
+        base_cells = by_run.get(base_run["id"], []) if base_run else []
+        has_records = bool(r["artifact"])
+        if has_records:
+            cells_r = records.RunRecords(r["id"]).with_records(cells)
+            has_records = any(c["records"] for c in cells_r)
+            if base_run and base_run["id"] not in base_records:  # read once, not per drafter
+                base_records[base_run["id"]] = records.RunRecords(base_run["id"]).with_records(
+                    base_cells)
+            base_r = base_records[base_run["id"]] if base_run else []
+            rows = analysis.analyse_run_or_stored_only(cells_r, base_r, d["method"],
+                                                       f"run {r['id']}")
+            if temperature == 0:
+                for c in cells_r:
+                    combine_inputs[(c["task"], c["batch_size"], c["k"])][d["slug"]] = c["records"]
+                for c in base_r:
+                    base_outputs.setdefault((c["task"], c["batch_size"]), {
+                        rec["prompt_id"]: rec["output_token_ids"] for rec in c["records"]
+                        if rec.get("repetition", 0) == 0})
+        else:
+            rows = [None] * len(cells)
+        drafters.append({"drafter": d, "run_id": r["id"], "has_records": has_records,
+                         "baseline_run_id": base_run["id"] if base_run else None})
+        by_k = defaultdict(list)
+        for c, a in zip(cells, rows):
+            entries.append({"drafter": d["slug"], "k": c["k"], "task": c["task"],
+                            "batch_size": c["batch_size"], "speedup": c["speedup"]})
+            by_k[c["k"]].append((c, a))
+        for k, pairs in sorted(by_k.items()):
+            kcells = [c for c, _ in pairs]
+            measured = analysis.speedup_by_batch(kcells, base_cells)
+            per_b = []
+            for b in batch_sizes:
+                pooled = _pooled([a for c, a in pairs if a and c["batch_size"] == b])
+                per_b.append({"batch_size": b, "measured_speedup": measured.get(b), **pooled})
+            al = aggregate_cells(kcells, ()).get((), {}).get("acceptance_length")
+            analysed = [a for _, a in pairs if a and a.get("t_overhead") is not None
+                        and a.get("t_fwd_b")]
+            cost = None
+            if analysed:
+                cost_time = sum((a["t_draft"] if a["source"] == "reference traces"
+                                 else a["t_overhead"]) * a["steps"] for a in analysed)
+                fwd_time = sum(a["t_fwd_b"] * a["steps"] for a in analysed)
+                cost = cost_time / fwd_time if fwd_time else None
+            curves.append({"drafter": d, "k": k, "by_batch": per_b,
+                           "crossover": analysis.crossover(measured),
+                           "mean_speedup": _mean(measured.values())})
+            points.append({"drafter": d, "k": k, "cost": cost, "al": al})
+    matrix = analysis.best_matrix(entries, tasks, batch_sizes)
+    names = {x["drafter"]["slug"]: x["drafter"] for x in drafters}
+    matrix_rows = []
+    for t in tasks:
+        row = {"task": t, "cells": []}
+        for b in batch_sizes:
+            m = matrix.get((t, b))
+            row["cells"].append(None if m is None else {
+                "batch_size": b, "drafter": names.get(m["drafter"]), "k": m["k"],
+                "speedup": m["speedup"],
+                "best_drafter_speedup": m.get("best_drafter_speedup", m["speedup"])})
+        matrix_rows.append(row)
+    combine, combine_models = [], {}
+    if baselines and combine_inputs:
+        base_id = next(iter(baselines.values()))["id"]
+        combine_models = analysis.fit_cost_models(
+            baseline_for_cost_model(base_id, by_run.get(base_id, [])))
+    for (t, b, k), recs in sorted(combine_inputs.items()):
+        model = combine_models.get((t, float(temperature)))
+        try:
+            res = analysis.oracle_combine(recs, k, model, b, base_outputs.get((t, b)))
+        except (KeyError, TypeError, ValueError, ArithmeticError) as e:
+            log.warning("oracle combination of %s b=%s k=%s failed: %r", t, b, k, e)
+            res = None
+        if res:
+            combine.append({"task": t, "batch_size": b, "k": k, **{
+                x: res[x] for x in ("requests", "tokens", "steps", "al_combine",
+                                    "speedup_bound")},
+                "drafters": [{"drafter": names[s], "tokens_per_step": v}
+                             for s, v in sorted(res["drafter_tokens_per_step"].items())]})
+    return {"temperature": temperature, "tasks": tasks, "batch_sizes": batch_sizes, "ks": ks,
+            "drafters": drafters, "matrix": matrix_rows, "curves": curves,
+            "pareto": analysis.pareto(points), "combine": combine,
+            "definitions": analysis.definitions(),
+            "has_records": any(x["has_records"] for x in drafters)}
+
+
+def parse_mix(text: str, tasks) -> dict[str, float]:
+    """"chat:0.5,code:0.5" -> {"chat": 0.5, "code": 0.5}; ValueError naming the problem."""
+    mix = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        task, sep, weight = part.partition(":")
+        task = task.strip()
+        if task not in tasks:
+            raise ValueError(f"unknown task {task!r}: the protocol's tasks are "
+                             + ", ".join(tasks))
+        try:
+            w = float(weight) if sep else 1.0
+        except ValueError:
+            raise ValueError(f"the weight of {task!r} is not a number: {weight!r}") from None
+        if not (w >= 0 and w < float("inf")):
+            raise ValueError(f"the weight of {task!r} must be a finite number >= 0")
+        mix[task] = mix.get(task, 0.0) + w
+    if not mix:
+        return {t: 1.0 for t in tasks}
+    analysis.normalise_mix(mix)   # raises when no weight is positive
+    return mix
+
+
+def recommendation(protocol: Protocol, mix: dict[str, float], batch_size: int,
+                   temperature: float | None = None) -> dict:
+    """The (drafter, k) with the highest measured throughput for a task mix and batch size
+    (worker.analysis.recommend), the baseline included. Two queries."""
+    spec = protocol.spec
+    temps = [float(t) for t in spec["temperatures"]]
+    temperature = temps[0] if temperature is None or float(temperature) not in temps \
+        else float(temperature)
+    drafter_runs, baselines = latest_succeeded_runs(protocol)
+    ids = [r["id"] for r in drafter_runs] + [r["id"] for r in baselines.values()]
+    rows = list(Result.objects.filter(run_id__in=ids, temperature=temperature).values(
+        "run_id", "task", "batch_size", "k", "output_throughput"))
+    newest = max(baselines.values(), key=lambda r: (r["queued_at"], r["id"]), default=None)
+    runs = {r["id"]: r for r in drafter_runs}
+    cells = [{**x, "drafter": runs[x["run_id"]]["drafter"]["slug"]} for x in rows
+             if x["run_id"] in runs and baselines.get(runs[x["run_id"]]["engine_version"])]
+    base_cells = [x for x in rows if newest and x["run_id"] == newest["id"]]
+    # a drafter is compared with the baseline of its own engine version
+    out = {"temperature": temperature, "protocol": protocol_summary(protocol)}
+    result = analysis.recommend(cells, base_cells, mix, batch_size)
+    names = {r["drafter"]["slug"]: r["drafter"] for r in drafter_runs}
+    for o in result["options"]:
+        o["drafter"] = names.get(o["drafter"]) if o["drafter"] else None
+        o["per_task"] = [{"task": t, **v} for t, v in o["per_task"].items()]
+    out.update(result)
+    out["mix"] = [{"task": t, "weight": w} for t, w in result["mix"].items()]
+    return out
+

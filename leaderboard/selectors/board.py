@@ -1,0 +1,206 @@
+"""The leaderboard and the compare page: each drafter's newest succeeded run under a protocol,
+its cells aggregated, and the baseline cells its speedups divide by."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from django.db.models import Count, Max, Q
+
+from worker import metrics
+
+from ..models import Protocol, Result, Run
+from .shapes import (ALL, HIDDEN_REVIEW_STATES, METHOD_LABELS, fast_url, figures_from_sums,
+                     protocol_summary, sum_annotations, unprefix)
+
+
+SORT_KEYS = ("name", "method", "k", "batch_size", "temperature", "acceptance_length",
+             "acceptance_rate", "output_throughput", "speedup", "lossless_share")
+RUN_FIELDS = ("id", "drafter_id", "engine_version", "hardware", "hardware_description",
+              "artifact", "queued_at")
+DRAFTER_FIELDS = ("slug", "name", "method", "owner_id", "owner__username", "review_state",
+                  "claimed_acceptance_length", "claimed_speedup", "claimed_source")
+
+
+def _summary_from_values(v: dict) -> dict:
+    d = {f: v[f"drafter__{f}"] for f in DRAFTER_FIELDS}
+    return {"id": v["drafter_id"], "slug": d["slug"], "name": d["name"], "method": d["method"],
+            "method_label": METHOD_LABELS.get(d["method"], d["method"]),
+            "owner": d["owner__username"], "owner_id": d["owner_id"],
+            "review_state": d["review_state"], "url": fast_url("drafter", d["slug"], "x-slug-x"),
+            "claimed_acceptance_length": d["claimed_acceptance_length"],
+            "claimed_speedup": d["claimed_speedup"], "claimed_source": d["claimed_source"]}
+
+
+def latest_succeeded_runs(protocol: Protocol, method: str | None = None,
+                          baselines_only: bool = False, slugs=None):
+    """(newest succeeded run per drafter, {engine version: newest succeeded baseline run}),
+    drafters withdrawn or rejected left out. Runs are dicts (RUN_FIELDS, "drafter": a
+    drafter summary or None, "artifact_url"). One query."""
+    qs = (Run.objects.filter(protocol=protocol, state=Run.SUCCEEDED)
+          .exclude(drafter__review_state__in=HIDDEN_REVIEW_STATES)
+          .order_by("-queued_at", "-pk"))
+    if baselines_only:
+        qs = qs.filter(drafter__isnull=True)
+    elif slugs is not None:
+        qs = qs.filter(Q(drafter__slug__in=slugs) | Q(drafter__isnull=True))
+    elif method:
+        qs = qs.filter(Q(drafter__method=method) | Q(drafter__isnull=True))
+    drafter_runs, baselines = {}, {}
+    for v in qs.values(*RUN_FIELDS, *(f"drafter__{f}" for f in DRAFTER_FIELDS)):
+        if v["drafter_id"] is None:
+            if v["engine_version"] not in baselines:
+                baselines[v["engine_version"]] = _run_values(v, None)
+        elif v["drafter_id"] not in drafter_runs:
+            drafter_runs[v["drafter_id"]] = _run_values(v, _summary_from_values(v))
+    return list(drafter_runs.values()), baselines
+
+
+def _run_values(v: dict, drafter: dict | None) -> dict:
+    run = {f: v[f] for f in RUN_FIELDS}
+    run["drafter"] = drafter
+    run["artifact_url"] = fast_url("run_artifact", v["id"]) if v["artifact"] else None
+    return run
+
+
+def leaderboard_signature(protocol: Protocol) -> tuple:
+    """Changes whenever the runs a leaderboard shows change (a run succeeds, a drafter is
+    withdrawn or approved): for caching. One query."""
+    agg = (Run.objects.filter(protocol=protocol, state=Run.SUCCEEDED)
+           .exclude(drafter__review_state__in=HIDDEN_REVIEW_STATES)
+           .aggregate(n=Count("id"), last=Max("id"), finished=Max("finished_at")))
+    return (protocol.pk, protocol.sha256, agg["n"], agg["last"],
+            agg["finished"].isoformat() if agg["finished"] else None)
+
+
+def leaderboard(protocol: Protocol, *, task: str | None = None, batch_size: int | None = None,
+                temperature: float | None = None, k: int | None = None,
+                method: str | None = None, sort: str = "speedup",
+                descending: bool = True) -> dict:
+    """The leaderboard of one protocol: one row per (drafter, batch size, temperature, k)
+    from each drafter's newest succeeded run, figures over one task or all tasks (None),
+    and the baseline rows. None for a filter means every value. Two queries.
+
+    Returns {"protocol", "filters", "choices", "rows", "baseline_rows", "runs_info",
+    "drafters"}; a row: {"drafter" (drafter summary), "run_id", "task", "batch_size",
+    "temperature", "k", "cells", "requests", "acceptance_length", "acceptance_rate",
+    "output_throughput", "speedup", "lossless_share", "baseline_throughput",
+    "engine_version", "hardware_description", "artifact_url"}."""
+    spec = protocol.spec
+    drafter_runs, baselines = latest_succeeded_runs(protocol, method)
+    run_by_id = {r["id"]: r for r in drafter_runs}
+    run_by_id.update({r["id"]: r for r in baselines.values()})
+
+    rows_qs = Result.objects.filter(run__protocol=protocol, run__state=Run.SUCCEEDED)
+    if task:
+        rows_qs = rows_qs.filter(task=task)
+    if batch_size is not None:
+        rows_qs = rows_qs.filter(batch_size=batch_size)
+    if temperature is not None:
+        rows_qs = rows_qs.filter(temperature=temperature)
+    if k is not None:
+        rows_qs = rows_qs.filter(k__in=[k, 0])
+    groups = (rows_qs.values("run_id", "batch_size", "temperature", "k")
+              .annotate(**sum_annotations()).order_by())
+
+    base_figs, drafter_groups = {}, []
+    for g in map(unprefix, groups):
+        run = run_by_id.get(g["run_id"])
+        if run is None:  # an older run of a drafter, or of a hidden one
+            continue
+        figs = {**g, **figures_from_sums(g)}
+        if run["drafter"] is None:
+            base_figs[(g["run_id"], g["batch_size"], float(g["temperature"]))] = figs
+        else:
+            drafter_groups.append(figs)
+
+    def row(run, g, base):
+        base_thr = base["output_throughput"] if base else None
+        return {
+            "drafter": run["drafter"], "run_id": run["id"], "task": task or ALL,
+            "batch_size": g["batch_size"], "temperature": float(g["temperature"]),
+            "k": g["k"], "cells": g["cells"], "requests": g["requests"],
+            "acceptance_length": g["acceptance_length"], "acceptance_rate": g["acceptance_rate"],
+            "output_throughput": g["output_throughput"],
+            "speedup": (metrics.speedup(g["output_throughput"], base_thr)
+                        if run["drafter"] else None),
+            "lossless_share": g["lossless_share"], "baseline_throughput": base_thr,
+            "engine_version": run["engine_version"],
+            "hardware_description": run["hardware_description"],
+            "artifact_url": run["artifact_url"],
+        }
+
+    rows = []
+    for g in drafter_groups:
+        run = run_by_id[g["run_id"]]
+        base_run = baselines.get(run["engine_version"])
+        base = base_figs.get((base_run["id"], g["batch_size"], float(g["temperature"]))) \
+            if base_run else None
+        rows.append(row(run, g, base))
+    baseline_rows = []
+    newest_base = max(baselines.values(), key=lambda r: (r["queued_at"], r["id"]), default=None)
+    if newest_base is not None:
+        for (run_id, b, t), g in sorted(base_figs.items(), key=lambda kv: kv[0][1:]):
+            if run_id == newest_base["id"]:
+                baseline_rows.append(row(newest_base, g, g))
+
+    sort = sort if sort in SORT_KEYS else "speedup"
+
+    def value(r):
+        if sort == "name":
+            return r["drafter"]["name"].lower()
+        if sort == "method":
+            return r["drafter"]["method"]
+        return r[sort]
+
+    # Rows without the figure (no baseline yet, no drafts) go last in either direction.
+    present = [r for r in rows if value(r) is not None]
+    present.sort(key=lambda r: (value(r), r["drafter"]["name"].lower()), reverse=descending)
+    rows = present + [r for r in rows if value(r) is None]
+
+    runs_info = sorted({(r["engine_version"], r["hardware_description"], r["hardware"])
+                        for r in run_by_id.values()})
+    methods = sorted({r["drafter"]["method"] for r in drafter_runs})
+    return {
+        "protocol": protocol_summary(protocol),
+        "filters": {"task": task or ALL, "batch_size": batch_size, "temperature": temperature,
+                    "k": k, "method": method, "sort": sort, "descending": descending},
+        "choices": {"tasks": [t["task"] for t in spec["tasks"]],
+                    "batch_sizes": list(spec["batch_sizes"]),
+                    "temperatures": [float(t) for t in spec["temperatures"]],
+                    "ks": list(spec["ks"]), "methods": methods},
+        "rows": rows, "baseline_rows": baseline_rows,
+        "runs_info": [{"engine_version": e, "hardware_description": h, "hardware": hw}
+                      for e, h, hw in runs_info],
+        "drafters": len(drafter_runs),
+    }
+
+
+def compare_candidates(protocol: Protocol) -> list[dict]:
+    """Drafters with a succeeded run under the protocol (for the compare form)."""
+    drafter_runs, _ = latest_succeeded_runs(protocol)
+    return sorted((r["drafter"] for r in drafter_runs), key=lambda d: d["name"].lower())
+
+
+def compare(protocol: Protocol, slugs: list[str]) -> dict:
+    """2-4 drafters side by side on one protocol: each drafter's newest succeeded run and
+    its cells, and the baseline cells each of them divides by. Two queries.
+
+    Returns {"protocol", "entries": [{"drafter", "run", "cells", "baseline_cells"}],
+    "missing": [slugs without a succeeded run under the protocol]}."""
+    drafter_runs, baselines = latest_succeeded_runs(protocol, slugs=list(slugs))
+    latest = {r["drafter"]["slug"]: r for r in drafter_runs}
+    chosen = [latest[s] for s in slugs if s in latest]
+    base_runs = {r["id"]: baselines.get(r["engine_version"]) for r in chosen}
+    ids = {r["id"] for r in chosen} | {b["id"] for b in base_runs.values() if b}
+    by_run = defaultdict(list)
+    for res in (Result.objects.filter(run_id__in=ids)
+                .order_by("task", "batch_size", "temperature", "k")):
+        by_run[res.run_id].append(res.as_cell_dict())
+    entries = []
+    for r in chosen:
+        base = base_runs[r["id"]]
+        entries.append({"drafter": r["drafter"], "run": r, "cells": by_run[r["id"]],
+                        "baseline_cells": by_run[base["id"]] if base else []})
+    return {"protocol": protocol_summary(protocol), "entries": entries,
+            "missing": [s for s in slugs if s not in latest]}
+

@@ -1,0 +1,119 @@
+"""Reads of targets and protocols: lists, the protocol page (spec, prompt sets, metric
+definitions), which protocol a page shows."""
+from __future__ import annotations
+
+import inspect
+from collections import Counter, defaultdict
+
+from django.db.models import Count, Exists, OuterRef, Q
+
+import worker.protocol
+from worker import metrics
+
+from ..models import Prompt, PromptSet, Protocol, Result, Run, Target
+from .shapes import protocol_summary
+
+
+def protocols_with_results(target_slug: str | None = None):
+    """Protocols that have results, newest first (a queryset with the target joined)."""
+    qs = Protocol.objects.select_related("target").filter(
+        Exists(Result.objects.filter(run__protocol=OuterRef("pk"))))
+    if target_slug:
+        qs = qs.filter(target__slug=target_slug)
+    return qs.order_by("-created_at", "-version", "-pk")
+
+
+def get_protocol(ref: str | None = None, target_slug: str | None = None) -> Protocol | None:
+    """A protocol by `slug@version` or `slug` (its newest version); without a ref, the
+    newest protocol with results (or, if none has any, the newest protocol)."""
+    qs = Protocol.objects.select_related("target")
+    if ref:
+        slug, _, version = ref.partition("@")
+        qs = qs.filter(slug=slug)
+        if version:
+            if not version.isdigit():
+                return None
+            qs = qs.filter(version=int(version))
+        return qs.order_by("-version").first()
+    return (protocols_with_results(target_slug).first()
+            or (qs.filter(target__slug=target_slug) if target_slug else qs)
+            .order_by("-created_at", "-version", "-pk").first())
+
+
+def protocol_list() -> list[dict]:
+    """Every protocol with its number of runs and whether it has results."""
+    qs = (Protocol.objects.select_related("target")
+          .annotate(runs_count=Count("runs", distinct=True),
+                    succeeded=Count("runs", filter=Q(runs__state=Run.SUCCEEDED), distinct=True))
+          .order_by("slug", "-version"))
+    return [{**protocol_summary(p), "runs_count": p.runs_count, "succeeded_runs": p.succeeded}
+            for p in qs]
+
+
+def multi_turn_policy() -> str:
+    """The comment above worker.protocol.MULTI_TURN_FIRST_TURN (not retyped here)."""
+    lines = inspect.getsource(worker.protocol).splitlines()
+    end = next(i for i, line in enumerate(lines) if line.startswith("MULTI_TURN_FIRST_TURN"))
+    start = end
+    while start > 0 and lines[start - 1].startswith("#"):
+        start -= 1
+    return " ".join(line.lstrip("# ").strip() for line in lines[start:end])
+
+
+def protocol_detail(p: Protocol) -> dict:
+    """The whole spec (canonical JSON and its sha256), each task's prompt set with counts
+    and hashes, the multi-turn policy and the definition of every metric."""
+    spec = p.spec
+    slugs = {t["prompt_set"] for t in spec["tasks"]}
+    sets = {ps.slug: ps for ps in PromptSet.objects.filter(slug__in=slugs)}
+    per_category = defaultdict(Counter)
+    for row in (Prompt.objects.filter(prompt_set__slug__in=slugs)
+                .values("prompt_set__slug", "category").annotate(n=Count("id"))):
+        per_category[row["prompt_set__slug"]][row["category"]] = row["n"]
+    tasks = []
+    for t in spec["tasks"]:
+        ps = sets.get(t["prompt_set"])
+        cats = per_category.get(t["prompt_set"], Counter())
+        available = sum(n for c, n in cats.items() if not t["categories"] or c in t["categories"])
+        tasks.append({
+            "task": t["task"], "prompt_set": t["prompt_set"], "categories": t["categories"],
+            "prompts": t["prompts"], "spec_sha256": t["prompt_set_sha256"],
+            "imported": ps is not None,
+            "name": ps.name if ps else None, "format": ps.format if ps else None,
+            "source_name": ps.source_name if ps else None,
+            "source_sha256": ps.source_sha256 if ps else None,
+            "sha256_matches": bool(ps and ps.source_sha256 == t["prompt_set_sha256"]),
+            "set_count": sum(cats.values()), "available": available,
+            "category_counts": dict(sorted(cats.items())),
+        })
+    counts = Run.objects.filter(protocol=p).aggregate(
+        runs=Count("id"), succeeded=Count("id", filter=Q(state=Run.SUCCEEDED)))
+    return {
+        "protocol": protocol_summary(p), "spec": spec, "canonical_json": p.canonical_json,
+        "sha256": p.sha256, "tasks": tasks, "multi_turn": spec.get("multi_turn"),
+        "multi_turn_policy": multi_turn_policy(), "metrics": metrics.definitions(),
+        "runs": counts["runs"], "succeeded_runs": counts["succeeded"],
+        "cells_per_drafter_run": len(p.spec_obj.cells(with_drafter=True)),
+        "cells_per_baseline_run": len(p.spec_obj.cells(with_drafter=False)),
+    }
+
+
+def target_list() -> list[dict]:
+    """Every target model. One query."""
+    return list(Target.objects.order_by("slug").values(
+        "slug", "name", "family", "hub_id", "revision", "weights_sha256", "vocab_size",
+        "hidden_size", "num_layers", "has_chat_template", "created_at"))
+
+
+def protocol_list_with_specs() -> list[dict]:
+    """protocol_list() with each protocol's spec and its canonical JSON (whose sha256 is
+    the row's sha256). Two queries."""
+    rows = protocol_list()
+    specs = dict(Protocol.objects.filter(pk__in=[r["id"] for r in rows])
+                 .values_list("pk", "spec"))
+    for r in rows:
+        spec = specs.get(r["id"], {})
+        r["spec"] = spec
+        r["canonical_json"] = worker.protocol.canonical_json(spec)
+    return rows
+

@@ -1,0 +1,95 @@
+"""Reads of runs: the queue (positions, progress) and the API's run list."""
+from __future__ import annotations
+
+from collections import Counter
+
+from django.db.models import F
+
+from ..models import Run
+from .shapes import run_progress_summary, run_summary
+
+
+def queue_positions(run_ids=None) -> dict[int, int]:
+    """Position of each queued run in its hardware class's queue: 1 + the runs queued
+    earlier on the same hardware class that are still waiting. One query."""
+    positions, seen = {}, Counter()
+    for pk, hardware in (Run.objects.filter(state=Run.QUEUED)
+                         .order_by("queued_at", "pk").values_list("pk", "hardware")):
+        seen[hardware] += 1
+        positions[pk] = seen[hardware]
+    if run_ids is not None:
+        positions = {pk: p for pk, p in positions.items() if pk in set(run_ids)}
+    return positions
+
+
+def queue(hardware: str | None = None, finished_limit: int = 50) -> dict:
+    """Every queued and running run (running first, then queued in queue order), and the
+    most recently finished ones (failed runs keep their error and log tail). Three queries.
+
+    Returns {"active": [run_summary], "finished": [run_summary], "hardware": [...]}."""
+    base = Run.objects.select_related("drafter", "drafter__owner", "protocol")
+    if hardware:
+        base = base.filter(hardware=hardware)
+    positions = queue_positions()
+    active = list(base.filter(state__in=[Run.QUEUED, Run.RUNNING])
+                  .order_by("queued_at", "pk"))
+    active.sort(key=lambda r: (r.state != Run.RUNNING, r.hardware, positions.get(r.pk, 0)))
+    finished = list(base.filter(state__in=Run.FINISHED)
+                    .order_by(F("finished_at").desc(nulls_last=True), "-pk")[:finished_limit])
+    hardware_classes = sorted({r.hardware for r in active + finished} | (
+        {hardware} if hardware else set()))
+    return {"active": [run_summary(r, positions.get(r.pk)) for r in active],
+            "finished": [run_summary(r) for r in finished],
+            "hardware": hardware_classes}
+
+
+def run_progress(ids) -> list[dict]:
+    """Progress of the given runs (the queue page polls this). Two queries."""
+    ids = [int(i) for i in ids][:500]
+    runs = list(Run.objects.filter(pk__in=ids).order_by("pk"))
+    positions = queue_positions(ids) if any(r.state == Run.QUEUED for r in runs) else {}
+    return [run_progress_summary(r, positions.get(r.pk)) for r in runs]
+
+
+def get_run(run_id: int) -> Run | None:
+    return (Run.objects.select_related("drafter", "drafter__owner", "protocol")
+            .filter(pk=run_id).first())
+
+
+def runs_page(*, state: str | None = None, hardware: str | None = None,
+              drafter: str | None = None, protocol: str | None = None,
+              version: int | None = None, baseline: bool | None = None,
+              limit: int = 100, offset: int = 0) -> tuple[int, list[dict]]:
+    """(count, one page of runs, newest first, each with its queue position). Three
+    queries."""
+    qs = Run.objects.select_related("drafter", "drafter__owner", "protocol")
+    if state:
+        qs = qs.filter(state=state)
+    if hardware:
+        qs = qs.filter(hardware=hardware)
+    if drafter:
+        qs = qs.filter(drafter__slug=drafter)
+    if protocol:
+        slug, _, v = protocol.partition("@")
+        qs = qs.filter(protocol__slug=slug)
+        if v:
+            qs = qs.filter(protocol__version=int(v))
+    if version is not None:
+        qs = qs.filter(protocol__version=version)
+    if baseline is not None:
+        qs = qs.filter(drafter__isnull=baseline)
+    count = qs.count()
+    runs = list(qs.order_by("-queued_at", "-pk")[offset:offset + limit])
+    positions = (queue_positions([r.pk for r in runs])
+                 if any(r.state == Run.QUEUED for r in runs) else {})
+    return count, [run_summary(r, positions.get(r.pk)) for r in runs]
+
+
+def run_with_position(run_id: int) -> dict | None:
+    """One run (run_summary) with its queue position. Two queries."""
+    run = get_run(run_id)
+    if run is None:
+        return None
+    position = queue_positions([run.pk]).get(run.pk) if run.state == Run.QUEUED else None
+    return run_summary(run, position)
+
