@@ -1,2 +1,3 @@
 """SpecBoard's measurement library: protocol, metrics, prompt sets, checkpoint inspection,
-engines and the Celery tasks (worker/tasks.py, the only module here that knows Django)."""
+engines, runner, analysis and training recipes. It knows nothing of Django: the site's Celery
+task (leaderboard/tasks.py) and run service call it."""

@@ -163,7 +163,7 @@ def fast_url(name: str, value, placeholder: str = "9876543210") -> str:
 
 
 def training_summary(d: Drafter) -> dict | None:
-    """How a baseline drafter was trained here (leaderboard/training.py); None otherwise."""
+    """How a baseline drafter was trained here (leaderboard/services/training.py); None otherwise."""
     if not d.trained_by_recipe:
         return None
     data = d.training_data  # select_related by list callers
