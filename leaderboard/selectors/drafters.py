@@ -7,8 +7,8 @@ from collections import Counter
 from django.db.models import Count, Max, Sum
 
 from ..models import Drafter, Result, Run
-from .shapes import (HIDDEN_REVIEW_STATES, drafter_summary, protocol_summary, run_summary,
-                     training_summary)
+from .shapes import (HIDDEN_REVIEW_STATES, drafter_summary, filtered, protocol_summary,
+                     run_summary, training_summary)
 
 
 def run_cells(run_id: int) -> list[dict]:
@@ -151,12 +151,7 @@ def drafters_page(*, target: str | None = None, method: str | None = None,
         qs = qs.filter(review_state=review_state)
     else:
         qs = qs.exclude(review_state__in=HIDDEN_REVIEW_STATES)
-    if target:
-        qs = qs.filter(target__slug=target)
-    if method:
-        qs = qs.filter(method=method)
-    if owner:
-        qs = qs.filter(owner__username=owner)
+    qs = filtered(qs, target__slug=target, method=method, owner__username=owner)
     count = qs.count()
     page = qs.annotate(total_bytes=Sum("files__size")).order_by("name", "pk")[offset:offset + limit]
     return count, [drafter_api_summary(d, d.total_bytes) for d in page]

@@ -10,7 +10,7 @@ from django.db.models.functions import Cast, Coalesce
 from worker.analysis import EXPORT_COLUMNS
 
 from ..models import Result
-from .shapes import HIDDEN_REVIEW_STATES
+from .shapes import HIDDEN_REVIEW_STATES, filtered, protocol_ref_lookups
 
 
 RESULT_PROVENANCE = (
@@ -37,33 +37,14 @@ def results_queryset(*, protocol: str | None = None, version: int | None = None,
     `method` "baseline" selects the baseline runs. Cells of withdrawn or rejected drafters
     are left out, as on the leaderboard. None for a filter means every value."""
     qs = Result.objects.exclude(run__drafter__review_state__in=HIDDEN_REVIEW_STATES)
-    if protocol:
-        slug, _, v = protocol.partition("@")
-        qs = qs.filter(run__protocol__slug=slug)
-        if v:
-            qs = qs.filter(run__protocol__version=int(v))
-    if version is not None:
-        qs = qs.filter(run__protocol__version=version)
-    if target:
-        qs = qs.filter(run__protocol__target__slug=target)
-    if drafter:
-        qs = qs.filter(run__drafter__slug=drafter)
     if method == BASELINE_METHOD:
         qs = qs.filter(run__drafter__isnull=True)
-    elif method:
-        qs = qs.filter(run__drafter__method=method)
-    if task:
-        qs = qs.filter(task=task)
-    if batch_size is not None:
-        qs = qs.filter(batch_size=batch_size)
-    if temperature is not None:
-        qs = qs.filter(temperature=temperature)
-    if k is not None:
-        qs = qs.filter(k=k)
-    if run is not None:
-        qs = qs.filter(run_id=run)
-    if run_state:
-        qs = qs.filter(run__state=run_state)
+        method = None
+    qs = filtered(qs, **protocol_ref_lookups(protocol, "run__"))
+    qs = filtered(qs, run__protocol__version=version, run__protocol__target__slug=target,
+                  run__drafter__slug=drafter, run__drafter__method=method, task=task,
+                  batch_size=batch_size, temperature=temperature, k=k, run_id=run,
+                  run__state=run_state)
     return qs.order_by("run_id", "task", "batch_size", "temperature", "k")
 
 

@@ -6,7 +6,7 @@ from collections import Counter
 from django.db.models import F
 
 from ..models import Run
-from .shapes import run_progress_summary, run_summary
+from .shapes import filtered, protocol_ref_lookups, run_progress_summary, run_summary
 
 
 def queue_positions(run_ids=None) -> dict[int, int]:
@@ -63,19 +63,9 @@ def runs_page(*, state: str | None = None, hardware: str | None = None,
     """(count, one page of runs, newest first, each with its queue position). Three
     queries."""
     qs = Run.objects.select_related("drafter", "drafter__owner", "protocol")
-    if state:
-        qs = qs.filter(state=state)
-    if hardware:
-        qs = qs.filter(hardware=hardware)
-    if drafter:
-        qs = qs.filter(drafter__slug=drafter)
-    if protocol:
-        slug, _, v = protocol.partition("@")
-        qs = qs.filter(protocol__slug=slug)
-        if v:
-            qs = qs.filter(protocol__version=int(v))
-    if version is not None:
-        qs = qs.filter(protocol__version=version)
+    qs = filtered(qs, **protocol_ref_lookups(protocol))
+    qs = filtered(qs, state=state, hardware=hardware, drafter__slug=drafter,
+                  protocol__version=version)
     if baseline is not None:
         qs = qs.filter(drafter__isnull=baseline)
     count = qs.count()

@@ -24,6 +24,20 @@ SUMS = ("requests", "generated_tokens", "wall_seconds", "drafts", "draft_tokens"
         "accepted_tokens")
 
 
+def filtered(qs, **lookups):
+    """qs filtered on each lookup that is given (None and "" mean every value)."""
+    return qs.filter(**{k: v for k, v in lookups.items() if v is not None and v != ""})
+
+
+def protocol_ref_lookups(ref: str | None, prefix: str = "") -> dict:
+    """The lookups of a protocol named `slug` or `slug@version` (a slug alone: every version)."""
+    if not ref:
+        return {}
+    slug, _, version = ref.partition("@")
+    return {f"{prefix}protocol__slug": slug,
+            f"{prefix}protocol__version": int(version) if version else None}
+
+
 def protocol_label(p: Protocol) -> str:
     return f"{p.slug} v{p.version}"
 
