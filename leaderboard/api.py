@@ -31,7 +31,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from worker.checkpoint import Upload
 
-from . import selectors, submissions, tokens
+from . import permissions, selectors, submissions, tokens
 from .forms import SubmitForm
 from .models import Drafter, Run, Target
 
@@ -247,10 +247,9 @@ def errors(*codes):
     return {c: ERRORS[c] for c in codes}
 
 
-def can_manage(user, drafter):
-    if not submissions.can_manage(user, drafter):
-        raise ApiError(403, problem("(request)", "owner", "only the owner of the drafter or "
-                                                          "staff may do this"))
+def not_manager():
+    return ApiError(403, problem("(request)", "owner", "only the owner of the drafter or "
+                                                      "staff may do this"))
 
 
 # ---- schemas -------------------------------------------------------------------------
@@ -1086,7 +1085,8 @@ def cancel_run(request, run_id: int = RUN_ID):
     run = selectors.get_run(run_id)
     if run is None:
         raise not_found("run_id", f"no run {run_id}")
-    can_manage(request.auth, run.drafter)
+    if not permissions.can_manage_run(request.auth, run):
+        raise not_manager()
     if run.state in Run.FINISHED:
         raise ApiError(409, problem("(path)", "run_id", f"run {run_id} already {run.state}"))
     submissions.cancel_run(run)
@@ -1101,6 +1101,7 @@ def withdraw(request, slug: str = DRAFTER_SLUG):
     drafter = Drafter.objects.filter(slug=slug).first()
     if drafter is None:
         raise not_found("slug", f"no drafter {slug!r}")
-    can_manage(request.auth, drafter)
+    if not permissions.can_manage_drafter(request.auth, drafter):
+        raise not_manager()
     n = submissions.withdraw_drafter(drafter)
     return {"drafter": selectors.drafter_page(slug)["drafter"], "runs_cancelled": n}

@@ -18,7 +18,7 @@ from django.views.decorators.http import require_GET, require_POST
 
 from worker.checkpoint import Upload
 
-from . import charts, selectors, submissions, tokens
+from . import charts, permissions, selectors, submissions, tokens
 from .forms import DrafterEditForm, SignupForm, SubmitForm, TokenForm
 from .models import Drafter, Run
 
@@ -193,7 +193,7 @@ def drafter_detail(request, slug):
     else:
         fragment = cached_fragment(lambda: ("drafter", selectors.drafter_signature(overview),
                                             k_param, t_param), build)
-    manage = submissions.can_manage(request.user, _drafter_stub(page["drafter"]))
+    manage = permissions.is_owner_or_staff(request.user, page["drafter"]["owner_id"])
     return render(request, "leaderboard/drafter.html", {
         "page": fragment.get("page", page), "d": page["drafter"],
         "results_html": fragment["html"], "can_manage": manage,
@@ -201,14 +201,10 @@ def drafter_detail(request, slug):
     })
 
 
-def _drafter_stub(summary):
-    return Drafter(pk=summary["id"], owner_id=summary["owner_id"])
-
-
 @login_required
 def drafter_edit(request, slug):
     drafter = get_object_or_404(Drafter, slug=slug)
-    if not submissions.can_manage(request.user, drafter):
+    if not permissions.can_manage_drafter(request.user, drafter):
         raise PermissionDenied("only the owner or staff may edit this drafter")
     form = DrafterEditForm(request.POST or None, instance=drafter)
     if request.method == "POST" and form.is_valid():
@@ -222,7 +218,7 @@ def drafter_edit(request, slug):
 @require_POST
 def drafter_withdraw(request, slug):
     drafter = get_object_or_404(Drafter, slug=slug)
-    if not submissions.can_manage(request.user, drafter):
+    if not permissions.can_manage_drafter(request.user, drafter):
         raise PermissionDenied("only the owner or staff may withdraw this drafter")
     n = submissions.withdraw_drafter(drafter)
     messages.success(request, f"{drafter.name} is withdrawn from the leaderboard"
@@ -269,8 +265,8 @@ def queue(request):
     data = selectors.queue(hardware=hardware)
     user = request.user
     for r in data["active"] + data["finished"]:
-        r["can_cancel"] = (r["state"] in (Run.QUEUED, Run.RUNNING) and user.is_authenticated
-                           and (user.is_staff or (r["owner_id"] and r["owner_id"] == user.pk)))
+        r["can_cancel"] = (r["state"] in (Run.QUEUED, Run.RUNNING)
+                           and permissions.is_owner_or_staff(user, r["owner_id"]))
     return render(request, "leaderboard/queue.html", {"q": data, "hardware": hardware})
 
 
@@ -286,7 +282,7 @@ def run_cancel(request, run_id):
     run = selectors.get_run(run_id)
     if run is None:
         raise Http404("no such run")
-    if not submissions.can_manage(request.user, run.drafter):
+    if not permissions.can_manage_run(request.user, run):
         raise PermissionDenied("only the owner of the drafter or staff may cancel this run")
     state = submissions.cancel_run(run)
     messages.success(request, f"Run {run.pk}: " + (
