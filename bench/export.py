@@ -176,7 +176,7 @@ def main():
     small = seed("bench-small", args.small, lambda m: print(m, flush=True))
     print(f"seeded in {time.perf_counter() - t:.1f}s\n")
 
-    from leaderboard import api
+    from leaderboard.api import results as api_results
 
     client = Client()
     export(client, small, args.format, trace=False)  # warm-up (imports, first queries)
@@ -185,7 +185,7 @@ def main():
         writers = ["json"]
     verdicts = []
     for writer in writers:
-        api.CSV_BY_COPY = writer == "copy"
+        api_results.CSV_BY_COPY = writer == "copy"
         print(f"--- {args.format} via {writer}; load average {os.getloadavg()[0]:.1f} on "
               f"{os.cpu_count()} CPUs", flush=True)
         results = {}

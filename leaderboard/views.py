@@ -19,7 +19,7 @@ from django.views.decorators.http import require_GET, require_POST
 from worker import analysis
 from worker.checkpoint import Upload
 
-from . import charts, pays, tokens
+from . import charts, pays, permissions, tokens
 from .selectors import accounts, board, drafters, protocols, shapes
 from .selectors import runs as run_reads
 from .services import submissions
@@ -196,7 +196,7 @@ def drafter_detail(request, slug):
     else:
         fragment = cached_fragment(lambda: ("drafter", drafters.drafter_signature(overview),
                                             k_param, t_param), build)
-    manage = submissions.can_manage(request.user, _drafter_stub(page["drafter"]))
+    manage = permissions.is_owner_or_staff(request.user, page["drafter"]["owner_id"])
     return render(request, "leaderboard/drafter.html", {
         "page": fragment.get("page", page), "d": page["drafter"],
         "results_html": fragment["html"], "can_manage": manage,
@@ -204,14 +204,10 @@ def drafter_detail(request, slug):
     })
 
 
-def _drafter_stub(summary):
-    return Drafter(pk=summary["id"], owner_id=summary["owner_id"])
-
-
 @login_required
 def drafter_edit(request, slug):
     drafter = get_object_or_404(Drafter, slug=slug)
-    if not submissions.can_manage(request.user, drafter):
+    if not permissions.can_manage_drafter(request.user, drafter):
         raise PermissionDenied("only the owner or staff may edit this drafter")
     form = DrafterEditForm(request.POST or None, instance=drafter)
     if request.method == "POST" and form.is_valid():
@@ -225,7 +221,7 @@ def drafter_edit(request, slug):
 @require_POST
 def drafter_withdraw(request, slug):
     drafter = get_object_or_404(Drafter, slug=slug)
-    if not submissions.can_manage(request.user, drafter):
+    if not permissions.can_manage_drafter(request.user, drafter):
         raise PermissionDenied("only the owner or staff may withdraw this drafter")
     n = submissions.withdraw_drafter(drafter)
     messages.success(request, f"{drafter.name} is withdrawn from the leaderboard"
@@ -272,8 +268,8 @@ def queue(request):
     data = run_reads.queue(hardware=hardware)
     user = request.user
     for r in data["active"] + data["finished"]:
-        r["can_cancel"] = (r["state"] in (Run.QUEUED, Run.RUNNING) and user.is_authenticated
-                           and (user.is_staff or (r["owner_id"] and r["owner_id"] == user.pk)))
+        r["can_cancel"] = (r["state"] in (Run.QUEUED, Run.RUNNING)
+                           and permissions.is_owner_or_staff(user, r["owner_id"]))
     return render(request, "leaderboard/queue.html", {"q": data, "hardware": hardware})
 
 
@@ -289,7 +285,7 @@ def run_cancel(request, run_id):
     run = run_reads.get_run(run_id)
     if run is None:
         raise Http404("no such run")
-    if not submissions.can_manage(request.user, run.drafter):
+    if not permissions.can_manage_run(request.user, run):
         raise PermissionDenied("only the owner of the drafter or staff may cancel this run")
     state = submissions.cancel_run(run)
     messages.success(request, f"Run {run.pk}: " + (

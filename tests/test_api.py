@@ -17,8 +17,11 @@ from django.core.files.storage import default_storage
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.utils import timezone
 
-from leaderboard import api as api_module
 from leaderboard import tokens
+from leaderboard.selectors import results
+from leaderboard.api import API_VERSION
+from leaderboard.api import auth as api_auth
+from leaderboard.api import results as api_results
 from leaderboard.models import ApiToken, Drafter, DrafterFile, Result, Run
 from worker import metrics
 from worker.protocol import canonical_json
@@ -110,7 +113,7 @@ def test_the_schema_is_valid_openapi_with_a_version_and_described_fields(client)
     schema = response.json()
     validate(schema)
     assert schema["info"]["title"] == "SpecBoard API"
-    assert schema["info"]["version"] == api_module.API_VERSION == "1.0.0"
+    assert schema["info"]["version"] == API_VERSION == "1.0.0"
     assert schema["components"]["securitySchemes"]["TokenAuth"] == {"type": "http",
                                                                     "scheme": "bearer"}
     undescribed = [f"{name}.{prop}"
@@ -124,7 +127,7 @@ def test_the_schema_is_valid_openapi_with_a_version_and_described_fields(client)
             assert params == [], (method, path)
     # the result columns are documented in export order
     assert list(schema["components"]["schemas"]["ResultOut"]["properties"]) == list(
-        api_module.selectors.RESULT_COLUMNS)
+        results.RESULT_COLUMNS)
     docs = client.get("/api/docs")
     assert docs.status_code == 200 and b"openapi.json" in docs.content
 
@@ -322,7 +325,7 @@ def test_csv_and_json_exports_hold_the_same_rows_as_the_pages(client, board, par
                                                               csv_by_copy, monkeypatch):
     """On PostgreSQL the database writes the CSV (COPY), unless turned off; elsewhere
     csv.writer does. Either way the CSV holds the JSON's values."""
-    monkeypatch.setattr(api_module, "CSV_BY_COPY", csv_by_copy)
+    monkeypatch.setattr(api_results, "CSV_BY_COPY", csv_by_copy)
     count, paged = all_pages(client, **params)
     as_csv = client.get("/api/results", {**params, "format": "csv"})
     as_json = client.get("/api/results", {**params, "format": "json"})
@@ -332,7 +335,7 @@ def test_csv_and_json_exports_hold_the_same_rows_as_the_pages(client, board, par
     header, rows = csv_rows(as_csv)
     exported = json.loads(b"".join(as_json.streaming_content))
     assert exported == paged and len(rows) == count > 0
-    assert header == list(api_module.selectors.RESULT_COLUMNS)
+    assert header == list(results.RESULT_COLUMNS)
     for row, obj in zip(rows, exported):
         assert list(obj) == header
         bad = [c for c, text in zip(header, row) if not same_value(text, obj[c])]
@@ -353,8 +356,8 @@ def test_export_file_names_name_the_protocol_and_the_date(client, board):
 
 
 def test_the_export_is_written_in_chunks_not_all_at_once(client, board, monkeypatch):
-    monkeypatch.setattr(api_module, "ROWS_PER_WRITE", 5)
-    monkeypatch.setattr(api_module, "COPY_BLOCK_BYTES", 5 * 500)  # rows are ~600 bytes
+    monkeypatch.setattr(api_results, "ROWS_PER_WRITE", 5)
+    monkeypatch.setattr(api_results, "COPY_BLOCK_BYTES", 5 * 500)  # rows are ~600 bytes
     total = client.get("/api/results").json()["count"]
     for fmt in ("csv", "json"):
         chunks = list(client.get("/api/results", {"format": fmt}).streaming_content)
@@ -511,7 +514,7 @@ def test_a_refused_submission_is_a_422_naming_the_file_and_field(client, users, 
 def test_an_upload_over_the_size_limit_is_a_413(client, users, board, media, settings):
     settings.SPECBOARD_MAX_UPLOAD_BYTES = 2000
     # over the limit by its declared length: refused before the body is read
-    big = upload("model.safetensors", b"\0" * (api_module.FORM_OVERHEAD_BYTES + 4000))
+    big = upload("model.safetensors", b"\0" * (api_auth.FORM_OVERHEAD_BYTES + 4000))
     response = client.post("/api/drafters", {**submission("draft_model"),
                                               "files": [upload("config.json", tiny_config()),
                                                         big]},

@@ -18,7 +18,7 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from django.urls import reverse
 from safetensors.numpy import save as st_save
 
-from leaderboard import runs, submissions
+from leaderboard.services import runs, submissions
 from leaderboard.models import Drafter, DrafterFile, Run, Target
 from worker.checkpoint import Upload
 

@@ -45,15 +45,6 @@ class SubmissionRefused(Exception):
         return [p.as_dict() for p in self.problems]
 
 
-def can_manage(user, drafter: Drafter | None) -> bool:
-    """Only the owner or staff may edit, cancel or withdraw (a baseline: staff only)."""
-    if not user.is_authenticated:
-        return False
-    if user.is_staff:
-        return True
-    return drafter is not None and drafter.owner_id == user.pk
-
-
 def check_rate_limit(user):
     limit = settings.SPECBOARD_SUBMISSIONS_PER_DAY
     if not limit or user.is_staff:

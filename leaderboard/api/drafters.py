@@ -1,0 +1,224 @@
+"""Drafters: the list and one drafter's page, and the owner's writes: submit one
+(multipart upload) and withdraw it. Reads and writes share this router because ninja
+gives each router its own URL patterns: GET and POST /drafters must be in one."""
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal, Optional
+
+from django.utils.datastructures import MultiValueDict
+from ninja import File, Form, Path, Query, Router, Schema, Status, UploadedFile
+from pydantic import Field, field_validator
+from pydantic.json_schema import SkipJsonSchema
+
+from worker.checkpoint import Upload
+
+from .. import permissions
+from ..selectors import drafters, protocols
+from ..selectors import runs as run_reads
+from ..services import submissions
+from ..forms import SubmitForm
+from ..models import Drafter, Target
+from .auth import submit_auth, token_auth
+from .catalog import TargetRef
+from .common import INT_MAX, METHODS, PROTOCOL_REF, SLUG, Out, PageOut, PageQuery
+from .errors import ApiError, error_responses, not_found, not_manager, problem
+from .runs import RunOut, api_run
+
+router = Router()
+
+DRAFTER_SLUG = Path(..., pattern=SLUG, max_length=50, description="drafter slug")
+
+
+class TrainingOut(Out):
+    recipe: str = Field(description="the training recipe (manage.py train_drafter --recipe)")
+    data_slug: Optional[str] = Field(description="the shared training data it learnt from")
+    data_version: Optional[int] = Field(description="version of that training data")
+    data_sha256: str = Field(description="sha256 of the training data file")
+    seed: Optional[int] = Field(description="training seed")
+    seconds: Optional[float] = Field(description="training time in seconds")
+    steps: Optional[int] = Field(description="optimizer steps")
+    final_loss: Optional[float] = Field(description="mean loss of the last tenth of the steps")
+
+
+class DrafterOut(Out):
+    id: int = Field(description="database id")
+    slug: str = Field(description="stable identifier")
+    name: str = Field(description="display name")
+    method: str = Field(description="ngram, draft_model, eagle, eagle3, medusa or mtp")
+    method_label: str = Field(description="the method in words")
+    owner: Optional[str] = Field(description="username of the submitter")
+    owner_id: Optional[int] = Field(description="user id of the submitter")
+    review_state: str = Field(description="pending, approved, rejected or withdrawn")
+    url: str = Field(description="the drafter's page")
+    claimed_acceptance_length: Optional[float] = Field(description="AL its authors report")
+    claimed_speedup: Optional[float] = Field(description="speedup its authors report")
+    claimed_source: str = Field(description="where the claims are published")
+    description: str = Field(description="description")
+    link: str = Field(description="code, paper or model card")
+    licence: str = Field(description="licence of the weights")
+    content_sha256: str = Field(description="hash of the uploaded files (or of the params)")
+    params: dict[str, Any] = Field(description="method parameters")
+    created_at: datetime = Field(description="when it was submitted")
+    target: TargetRef = Field(description="the target model it drafts for")
+    trained_by_recipe: str = Field(description="training recipe, if trained here")
+    training: Optional[TrainingOut] = Field(description="how it was trained, if trained here")
+    total_bytes: int = Field(description="size of its files")
+
+
+class DrafterPage(PageOut):
+    items: list[DrafterOut] = Field(description="this page")
+
+
+class DrafterFileOut(Out):
+    name: str = Field(description="path inside the checkpoint folder")
+    size: int = Field(description="bytes")
+    sha256: str = Field(description="sha256 of the file")
+
+
+class DrafterDetailOut(Out):
+    drafter: DrafterOut = Field(description="the drafter")
+    files: list[DrafterFileOut] = Field(description="its checkpoint files")
+    runs: list[RunOut] = Field(description="its runs, newest first (at most 100)")
+
+
+class DrafterFilters(PageQuery):
+    target: Optional[str] = Field(None, pattern=SLUG, max_length=50, description="target slug")
+    method: Optional[Literal[METHODS]] = Field(None, description="method")  # type: ignore
+    owner: Optional[str] = Field(None, max_length=150, pattern=r"^[\w.@+-]+$",
+                                 description="username of the submitter")
+    review_state: Optional[Literal["pending", "approved", "rejected", "withdrawn"]] = Field(
+        None, description="review state (default: every state but withdrawn and rejected)")
+
+
+class SubmitOut(Out):
+    drafter: DrafterOut = Field(description="the new drafter")
+    run: RunOut = Field(description="its queued run (follow it at /api/runs/{id})")
+
+
+class WithdrawOut(Out):
+    drafter: DrafterOut = Field(description="the drafter, now withdrawn")
+    runs_cancelled: int = Field(description="unfinished runs cancelled or asked to stop")
+
+
+@router.get("/drafters", response={200: DrafterPage, **error_responses(422)},
+            tags=["reads"], summary="Drafters (withdrawn and rejected ones only on request)")
+def list_drafters(request, filters: Query[DrafterFilters]):
+    count, items = drafters.drafters_page(
+        target=filters.target, method=filters.method, owner=filters.owner,
+        review_state=filters.review_state, limit=filters.limit, offset=filters.offset)
+    return {"count": count, "limit": filters.limit, "offset": filters.offset, "items": items}
+
+
+@router.get("/drafters/{slug}", response={200: DrafterDetailOut, **error_responses(404)},
+            tags=["reads"], summary="One drafter, its files and its runs")
+def get_drafter(request, slug: str = DRAFTER_SLUG):
+    page = drafters.drafter_page(slug)
+    if page is None:
+        raise not_found("slug", f"no drafter {slug!r}: see /api/drafters")
+    return {"drafter": page["drafter"], "files": page["files"],
+            "runs": [api_run(r) for r in page["runs"]]}
+
+
+# A multipart form cannot send null: an optional field is left out (or sent empty).
+Opt = SkipJsonSchema[None]
+
+
+class SubmitIn(Schema):
+    protocol: str = Field(pattern=PROTOCOL_REF, max_length=80,
+                          description='the protocol to measure under: "slug@version", or '
+                                      "the slug for its newest version")
+    method: Literal[METHODS] = Field(description="the drafter's method")  # type: ignore
+    name: str = Field(min_length=1, max_length=200, description="display name")
+    target: Annotated[str, Field(pattern=SLUG, max_length=50)] | Opt = Field(
+        None, description="target slug (default: the protocol's)")
+    description: str = Field("", max_length=20000, description="description")
+    link: str = Field("", max_length=200, description="code, paper or model card URL")
+    licence: str = Field("", max_length=100, description="e.g. Apache-2.0")
+    claimed_acceptance_length: Annotated[float, Field(ge=1, le=1e6, allow_inf_nan=False)] | \
+        Opt = Field(None, description="AL its authors report")
+    claimed_speedup: Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False)] | Opt = Field(
+        None, description="speedup its authors report")
+    claimed_source: str = Field("", max_length=200, description="URL of the claims (needed "
+                                                                "with a claim)")
+    k: Annotated[int, Field(ge=0, le=INT_MAX)] | Opt = Field(
+        None, description="one of the protocol's ks")
+    prompt_lookup_min: Annotated[int, Field(ge=-INT_MAX, le=INT_MAX)] | Opt = Field(
+        None, description="ngram only: 1-16")
+    prompt_lookup_max: Annotated[int, Field(ge=-INT_MAX, le=INT_MAX)] | Opt = Field(
+        None, description="ngram only: 1-16, >= the min")
+
+    @field_validator("target", "claimed_acceptance_length", "claimed_speedup", "k",
+                     "prompt_lookup_min", "prompt_lookup_max", mode="before")
+    @classmethod
+    def _empty_is_absent(cls, value):
+        return None if value == "" else value
+
+
+FORM_FIELDS = ("method", "name", "description", "link", "licence", "claimed_acceptance_length",
+               "claimed_speedup", "claimed_source", "k", "prompt_lookup_min",
+               "prompt_lookup_max")
+
+
+def _form_problems(form) -> list[dict]:
+    out = []
+    for field, errs in form.errors.get_json_data().items():
+        name = "files" if field == "files" else field
+        for e in errs:
+            out.append(problem("(upload)" if field == "files" else "(form)",
+                               "(form)" if name == "__all__" else name, e["message"]))
+    return out
+
+
+@router.post("/drafters",
+             response={201: SubmitOut, **error_responses(401, 409, 413, 422, 429)},
+             auth=submit_auth, tags=["writes"], summary="Submit a drafter (multipart)")
+def submit(request, data: Form[SubmitIn],
+           files: list[UploadedFile] = File(None, description=(
+               "checkpoint files: config.json plus *.safetensors, or one .zip / .tar.gz "
+               "archive; none for ngram"))):
+    """The same validation as the submit page (worker/checkpoint.py through
+    leaderboard/submissions.py): config.json plus *.safetensors as several `files`, or one
+    .zip / .tar.gz; no files for ngram. Nothing is stored when it is refused."""
+    protocol = protocols.get_protocol(data.protocol)
+    if protocol is None:
+        raise ApiError(422, problem("(form)", "protocol", f"no protocol {data.protocol!r}: "
+                                                          "see /api/protocols"))
+    target_id = protocol.target_id
+    if data.target:
+        target = Target.objects.filter(slug=data.target).first()
+        if target is None:
+            raise ApiError(422, problem("(form)", "target", f"no target {data.target!r}: see "
+                                                            "/api/targets"))
+        target_id = target.pk
+    form_data = {f: getattr(data, f) for f in FORM_FIELDS if getattr(data, f) is not None}
+    form_data.update(protocol=protocol.pk, target=target_id)
+    form = SubmitForm(form_data, MultiValueDict({"files": list(files or [])}))
+    if not form.is_valid():
+        raise ApiError(422, *_form_problems(form))
+    cleaned = form.cleaned_data
+    drafter, run = submissions.submit_drafter(
+        owner=request.auth, protocol=cleaned["protocol"], method=cleaned["method"],
+        name=cleaned["name"], uploads=[Upload(f.name, f, f.size) for f in cleaned["files"]],
+        params=form.params(), description=cleaned["description"], link=cleaned["link"],
+        licence=cleaned["licence"],
+        claimed_acceptance_length=cleaned["claimed_acceptance_length"],
+        claimed_speedup=cleaned["claimed_speedup"], claimed_source=cleaned["claimed_source"])
+    page = drafters.drafter_page(drafter.slug)
+    return Status(201, {"drafter": page["drafter"],
+                        "run": api_run(run_reads.run_with_position(run.pk))})
+
+
+@router.post("/drafters/{slug}/withdraw",
+             response={200: WithdrawOut, **error_responses(401, 403, 404)}, auth=token_auth,
+             tags=["writes"], summary="Withdraw one's own drafter")
+def withdraw(request, slug: str = DRAFTER_SLUG):
+    """Hides the drafter from the leaderboard and the results, and cancels its
+    unfinished runs."""
+    drafter = Drafter.objects.filter(slug=slug).first()
+    if drafter is None:
+        raise not_found("slug", f"no drafter {slug!r}")
+    if not permissions.can_manage_drafter(request.auth, drafter):
+        raise not_manager()
+    n = submissions.withdraw_drafter(drafter)
+    return {"drafter": drafters.drafter_page(slug)["drafter"], "runs_cancelled": n}
