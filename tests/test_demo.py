@@ -27,7 +27,7 @@ from leaderboard.models import Drafter, DrafterFile, Prompt, PromptSet, Target, 
 from leaderboard.training import register_drafter
 from worker import metrics
 from worker.engines.reference import StepTrace
-from worker.proposers import make_proposer
+from worker.methods import make_proposer
 
 from .conftest import ROOT, database_url_for_subprocess
 # The training tests' cheap set-up: four conversations of the target, a recipe trained on

@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 from worker import generate as generate_cli
 from worker import metrics, traces
 from worker.engines.reference import Llama, PackedLinear, ReferenceEngine, StepTrace
-from worker.proposers import DraftModelProposer, NgramProposer, make_proposer
+from worker.methods import make_proposer
+from worker.proposers import DraftModelProposer, NgramProposer
 
 NEW_TOKENS = 16
 PROMPTS = [

@@ -4,7 +4,7 @@
     train_recipe("eagle", target_dir, dataset_file, target_sha256, out_dir, seed=0)
 
 writes ``out_dir/drafter/`` (config.json + model.safetensors, the format the engines load
-and worker/checkpoint.py accepts), ``out_dir/train-state.pt`` (the checkpoint) and
+and worker/checkpoint accepts), ``out_dir/train-state.pt`` (the checkpoint) and
 ``out_dir/training.json`` (recipe, data sha256, seed, settings, loss, seconds).
 """
 from __future__ import annotations
@@ -71,7 +71,7 @@ def acceptance(target_dir, method, drafter_dir, prompts, k=3, max_new_tokens=64,
     """Acceptance length of a drafter on chat prompts with the reference engine (greedy),
     and whether every output equals the target's own greedy output."""
     from worker.engines.reference import ReferenceEngine
-    from worker.proposers import make_proposer
+    from worker.methods import make_proposer
 
     engine = engine or ReferenceEngine(target_dir)
     ids = [engine.encode_chat(p) for p in prompts]
