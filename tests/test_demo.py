@@ -22,7 +22,7 @@ from django.test import RequestFactory
 
 from leaderboard import demo_engine as de
 from leaderboard.demo_trace import (ACCEPTED, BONUS, CORRECTED, TARGET, TraceView, counters,
-                                    counters_markdown, step_counts, step_labels)
+                                    counters_markdown, counts_from_traces, step_labels)
 from leaderboard.models import Drafter, DrafterFile, Prompt, PromptSet, Target, TrainingDataset
 from leaderboard.training import register_drafter
 from worker import metrics
@@ -62,12 +62,12 @@ def test_step_labels_tell_accepted_corrected_bonus_and_plain_tokens():
 
 
 def test_counts_follow_the_metric_definitions_and_stop_at_eos():
-    assert step_counts(trace(0, [], 0, 10)) == metrics.SpecCounts()
-    c = step_counts(trace(1, [11, 12, 13, 14], 2, 15))
+    assert counts_from_traces([trace(0, [], 0, 10)]) == metrics.SpecCounts()
+    c = counts_from_traces([trace(1, [11, 12, 13, 14], 2, 15)])
     assert (c.drafts, c.draft_tokens, c.accepted_tokens, c.accepted_at) == (1, 4, 2, [1, 1, 0, 0])
     # The sequence ended inside the accepted draft: the drafted token after EOS is not counted.
     ended = trace(2, [11, EOS, 12], 2, None, finished=True)
-    c = step_counts(ended, eos_ids={EOS})
+    c = counts_from_traces([ended], eos_ids={EOS})
     assert (c.draft_tokens, c.accepted_tokens, c.accepted_at) == (2, 2, [1, 1])
 
     view = fake_view()

@@ -390,6 +390,10 @@ def test_trace_analyses_agree_with_the_metric_definitions():
     assert counts.accepted_at == [3, 1, 1]
     assert traces.per_position_acceptance([Result], k=3) == [0.75, 0.25, 0.25]
     assert traces.acceptance_length([Result]) == 1 + 5 / 4
+    # the one SpecCounts-from-steps (the vLLM records and the demo use it too): a step that
+    # drafted nothing is no draft; without k, accepted_at is as long as the longest draft
+    assert metrics.counts_from_steps([0, 3, 1, 0, 1], [0, 3, 3, 3, 1], 3) == counts
+    assert metrics.counts_from_steps([2, 0], [2, 0]) == metrics.SpecCounts(1, 2, 2, [1, 1])
 
 
 def test_ngram_proposer_prefers_the_longest_match():
