@@ -8,7 +8,6 @@ gradio < 13): it imports only leaderboard.demo_trace / demo_engine, and the brow
 starts the app from .venv-demo as a subprocess (`make install` creates it)."""
 import os
 import re
-import signal
 import socket
 import subprocess
 import time
@@ -28,6 +27,7 @@ from leaderboard.training import register_drafter
 from worker import metrics
 from worker.engines.reference import StepTrace
 from worker.methods import make_proposer
+from worker.processes import stop_process_group
 
 from .conftest import ROOT, database_url_for_subprocess
 # The training tests' cheap set-up: four conversations of the target, a recipe trained on
@@ -349,13 +349,7 @@ def demo_server(tmp_path):
         wait_for_http(url, proc, log_path)
         yield url, log_path
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_process_group(proc, term_timeout=20, kill_timeout=10)
 
 
 @pytest.fixture
