@@ -204,7 +204,7 @@ def get_proposer(choice: DrafterChoice):
     if key not in _proposers:
         params = {k: json.loads(v) for k, v in choice.params}
         method = methods.get(choice.method)
-        accepted = inspect.signature(method.proposer().__init__).parameters
+        accepted = inspect.signature(method.proposer_class().__init__).parameters
         params = {k: v for k, v in params.items()
                   if k in accepted and k not in ("self", "path", "dtype", "device")}
         if method.needs_weights:

@@ -44,7 +44,7 @@ def test_every_method_declares_every_field(name):
     assert (m.check_config is not None) == m.needs_weights
     assert not m.weights_in_target or m.needs_weights
     if m.proposer is not None:
-        cls = m.proposer()
+        cls = m.proposer_class()
         assert cls.method == name and callable(cls.propose) and callable(cls.start)
 
 

@@ -48,6 +48,11 @@ class _CappedReader:
         return True
 
 
+def _chunks(stream):
+    while chunk := stream.read(CHUNK):
+        yield chunk
+
+
 def _read_source(source):
     """An open binary stream for a path or a file object, and whether we opened it."""
     if isinstance(source, (str, os.PathLike)):
@@ -136,10 +141,7 @@ class Extraction:
         try:
             dest.parent.mkdir(parents=True, exist_ok=True)
             with open(dest, "xb") as out:
-                while True:
-                    chunk = stream.read(CHUNK)
-                    if not chunk:
-                        break
+                for chunk in _chunks(stream):
                     n += len(chunk)
                     if self.total + n > self.limit:
                         break
@@ -232,10 +234,7 @@ class Extraction:
         stream, _ = _read_source(up.source)
         n = 0
         with open(dest, "wb") as out:
-            while True:
-                chunk = stream.read(CHUNK)
-                if not chunk:
-                    break
+            for chunk in _chunks(stream):
                 n += len(chunk)
                 if n > self.limit:
                     self.too_big(up.name, None, "the archive")

@@ -138,7 +138,7 @@ def make_proposer(method: str, path: str | None = None, **params):
     if m.needs_weights:
         if not path:
             raise ValueError(f"{method} needs the path of its checkpoint folder")
-        return m.proposer()(path, **params)
+        return m.proposer_class()(path, **params)
     if path:
         raise ValueError(f"{method} takes no checkpoint path")
-    return m.proposer()(**params)
+    return m.proposer_class()(**params)

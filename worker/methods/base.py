@@ -32,8 +32,9 @@ class Method:
       config.json (None for a method that takes no files); ``target`` has vocab_size,
       hidden_size and num_layers, ``tensors`` maps each tensor name to (dtype, shape),
       ``add(field, message)`` receives each problem.
-    - ``proposer()``: the reference engine's proposer class (imported when called: the
-      proposers need torch, the registry must not), None where only vLLM runs the method.
+    - ``proposer``: the name of the reference engine's proposer class in
+      worker/proposers.py (``proposer_class()`` imports it: the proposers need torch, the
+      registry must not), None where only vLLM runs the method.
     - ``draft_cost``: drafting takes time of its own in the cost model of "When does it
       pay?" (prompt lookup's does not count).
     """
@@ -48,8 +49,13 @@ class Method:
     params: tuple[str, ...]
     speculative_config: Callable
     check_config: Callable | None
-    proposer: Callable | None
+    proposer: str | None
     draft_cost: bool
+
+    def proposer_class(self):
+        from worker import proposers
+
+        return getattr(proposers, self.proposer)
 
 
 # Speculative-config fields a drafter's parameters may set, for the methods that draft with

@@ -75,6 +75,16 @@ def check_vocab(cfg: dict, target, add, optional: bool = False, hint: str = "") 
             f"({target.vocab_size}): the drafter must use the target's tokenizer{hint}")
 
 
+def check_decoder_head(cfg: dict, target, add, method: str, allowed, allowed_text: str) -> None:
+    """The whole rule set of a decoder head over the target's hidden states (EAGLE-1, MTP):
+    its architecture, sane decoder sizes, the target's vocabulary and hidden size."""
+    check_architectures(cfg, method, allowed, allowed_text, add)
+    hidden = check_decoder_sizes(cfg, add)
+    check_vocab(cfg, target, add)
+    if hidden:
+        check_reads_target_hidden(method, "hidden_size", hidden, target, add)
+
+
 def check_reads_target_hidden(method: str, key: str, value, target, add) -> None:
     """A head that reads the target's hidden states declares the target's hidden size."""
     if value != target.hidden_size:

@@ -83,11 +83,6 @@ def _ranges(xs: list[int]) -> str:
     return ", ".join(out)
 
 
-def proposer():
-    from worker.proposers import DraftModelProposer
-    return DraftModelProposer
-
-
 METHOD = Method(
     name="draft_model",
     label="draft model",
@@ -99,6 +94,6 @@ METHOD = Method(
     params=WEIGHTED_PARAMS,
     speculative_config=speculative_config,
     check_config=check_config,
-    proposer=proposer,
+    proposer="DraftModelProposer",
     draft_cost=True,
 )

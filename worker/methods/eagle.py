@@ -4,8 +4,7 @@ proposer runs the head layout of worker/heads.py."""
 from __future__ import annotations
 
 from worker.methods.base import WEIGHTED_PARAMS, Method, weighted_config
-from worker.methods.config_rules import (check_architectures, check_decoder_sizes,
-                                         check_reads_target_hidden, check_vocab)
+from worker.methods.config_rules import check_decoder_head
 
 # vLLM 0.32, model_executor/models/registry.py, _SPECULATIVE_DECODING_MODELS.
 VLLM_ARCHITECTURES = frozenset({
@@ -31,16 +30,7 @@ def speculative_config(drafter, k: int) -> dict:
 
 
 def check_config(cfg: dict, target, tensors: dict, add) -> None:
-    check_architectures(cfg, "eagle", architecture_allowed, ARCHITECTURES_TEXT, add)
-    hidden = check_decoder_sizes(cfg, add)
-    check_vocab(cfg, target, add)
-    if hidden:
-        check_reads_target_hidden("eagle", "hidden_size", hidden, target, add)
-
-
-def proposer():
-    from worker.proposers import EagleProposer
-    return EagleProposer
+    check_decoder_head(cfg, target, add, "eagle", architecture_allowed, ARCHITECTURES_TEXT)
 
 
 METHOD = Method(
@@ -54,6 +44,6 @@ METHOD = Method(
     params=WEIGHTED_PARAMS,
     speculative_config=speculative_config,
     check_config=check_config,
-    proposer=proposer,
+    proposer="EagleProposer",
     draft_cost=True,
 )

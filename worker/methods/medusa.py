@@ -49,11 +49,6 @@ def check_config(cfg: dict, target, tensors: dict, add) -> None:
         check_reads_target_hidden("medusa", "hidden_size", hidden, target, add)
 
 
-def proposer():
-    from worker.proposers import MedusaProposer
-    return MedusaProposer
-
-
 METHOD = Method(
     name="medusa",
     label="Medusa",
@@ -65,6 +60,6 @@ METHOD = Method(
     params=WEIGHTED_PARAMS,
     speculative_config=speculative_config,
     check_config=check_config,
-    proposer=proposer,
+    proposer="MedusaProposer",
     draft_cost=True,
 )

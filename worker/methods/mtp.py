@@ -5,8 +5,7 @@ The reference engine has no MTP proposer."""
 from __future__ import annotations
 
 from worker.methods.base import WEIGHTED_PARAMS, Method, check_params, weighted_config
-from worker.methods.config_rules import (check_architectures, check_decoder_sizes,
-                                         check_reads_target_hidden, check_vocab)
+from worker.methods.config_rules import check_decoder_head
 
 # vLLM 0.32, model_executor/models/registry.py, _SPECULATIVE_DECODING_MODELS.
 VLLM_ARCHITECTURES = frozenset({
@@ -30,12 +29,8 @@ def speculative_config(drafter, k: int) -> dict:
 
 
 def check_config(cfg: dict, target, tensors: dict, add) -> None:
-    check_architectures(cfg, "mtp", VLLM_ARCHITECTURES.__contains__,
-                        ", ".join(sorted(VLLM_ARCHITECTURES)), add)
-    hidden = check_decoder_sizes(cfg, add)
-    check_vocab(cfg, target, add)
-    if hidden:
-        check_reads_target_hidden("mtp", "hidden_size", hidden, target, add)
+    check_decoder_head(cfg, target, add, "mtp", VLLM_ARCHITECTURES.__contains__,
+                       ", ".join(sorted(VLLM_ARCHITECTURES)))
 
 
 METHOD = Method(

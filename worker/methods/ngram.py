@@ -25,11 +25,6 @@ def speculative_config(drafter, k: int) -> dict:
             "prompt_lookup_min": lo, "prompt_lookup_max": hi}
 
 
-def proposer():
-    from worker.proposers import NgramProposer
-    return NgramProposer
-
-
 METHOD = Method(
     name="ngram",
     label="n-gram prompt lookup",
@@ -41,6 +36,6 @@ METHOD = Method(
     params=PARAMS,
     speculative_config=speculative_config,
     check_config=None,
-    proposer=proposer,
+    proposer="NgramProposer",
     draft_cost=False,
 )
