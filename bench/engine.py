@@ -465,7 +465,7 @@ def main():
     transformers.utils.logging.disable_progress_bar()
 
     from worker.engines.reference import ReferenceEngine
-    from worker.proposers import make_proposer
+    from worker.methods import make_proposer
 
     target = Path(args.target)
     draft_dir = first_layers_draft(target, Path(args.work_dir) / f"draft-{args.draft_layers}l",

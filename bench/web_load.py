@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -164,12 +163,9 @@ def start_server(port, server, workers=2, threads=1):
 
 
 def stop_server(proc):
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+    from worker.processes import stop_process_group
+
+    stop_process_group(proc, term_timeout=20, kill_timeout=10)
 
 
 def fetch(url):

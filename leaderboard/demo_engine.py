@@ -18,13 +18,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker.proposers import PROPOSERS, WEIGHTED, make_proposer
+from worker import methods
 
 log = logging.getLogger(__name__)
 
 # The methods the reference engine runs: ngram, draft_model, eagle (EAGLE-1 head), medusa.
 # Others (eagle3, mtp) are measured by vLLM only; the demo lists none of them.
-SUPPORTED_METHODS = tuple(PROPOSERS)
+SUPPORTED_METHODS = methods.REFERENCE_METHODS
 DEMO_DTYPE = "float32"
 
 
@@ -150,7 +150,7 @@ def resolve_drafter(drafter_slug, target_slug) -> DrafterChoice:
         except (OSError, ValueError) as e:
             raise DemoError(f"drafter {d.name}: its files cannot be read from the storage "
                             f"({type(e).__name__}: {e}).") from e
-    if d.method in WEIGHTED:
+    if methods.get(d.method).needs_weights:
         check_checkpoint(path, f"drafter {d.name}")
     params = tuple(sorted((k, json.dumps(v)) for k, v in (d.params or {}).items()))
     return DrafterChoice(d.slug, d.name, d.method, path, params)
@@ -203,13 +203,14 @@ def get_proposer(choice: DrafterChoice):
     key = (choice.method, choice.path, choice.params)
     if key not in _proposers:
         params = {k: json.loads(v) for k, v in choice.params}
-        accepted = inspect.signature(PROPOSERS[choice.method].__init__).parameters
+        method = methods.get(choice.method)
+        accepted = inspect.signature(method.proposer_class().__init__).parameters
         params = {k: v for k, v in params.items()
                   if k in accepted and k not in ("self", "path", "dtype", "device")}
-        if choice.method in WEIGHTED:
+        if method.needs_weights:
             params.update(dtype=DEMO_DTYPE, device="cpu")
         try:
-            _proposers[key] = make_proposer(choice.method, choice.path, **params)
+            _proposers[key] = methods.make_proposer(choice.method, choice.path, **params)
         except (OSError, ValueError, KeyError, RuntimeError) as e:
             raise DemoError(f"drafter {choice.name} cannot be loaded "
                             f"({type(e).__name__}: {e}).") from e

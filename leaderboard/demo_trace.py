@@ -42,27 +42,23 @@ def step_labels(trace) -> list[str]:
     return labels
 
 
-def step_counts(trace, eos_ids=()) -> metrics.SpecCounts:
-    """Speculation counts of one step, as ``worker.metrics`` defines them: a draft is a step
-    that proposed at least one token; the bonus token is not an accepted token; drafted
+def kept_draft(trace, eos_ids=()) -> tuple[int, int]:
+    """(accepted, drafted) tokens of one step as ``worker.metrics`` counts them: drafted
     tokens after an end-of-sequence token that the target accepted are not counted."""
     drafted = list(trace.drafted)
-    if not drafted:
-        return metrics.SpecCounts()
     accepted = int(trace.accepted)
     eos = set(eos_ids)
     cut = next((i + 1 for i, t in enumerate(drafted[:accepted]) if t in eos), None)
     if cut is not None:  # the sequence ended inside the accepted draft
         drafted, accepted = drafted[:cut], min(accepted, cut)
-    return metrics.SpecCounts(drafts=1, draft_tokens=len(drafted), accepted_tokens=accepted,
-                              accepted_at=[1 if i < accepted else 0 for i in range(len(drafted))])
+    return accepted, len(drafted)
 
 
 def counts_from_traces(traces, eos_ids=()) -> metrics.SpecCounts:
-    total = metrics.SpecCounts()
-    for trace in traces:
-        total = total + step_counts(trace, eos_ids)
-    return total
+    """Speculation counts of steps, as ``worker.metrics`` defines them: a draft is a step
+    that proposed at least one token; the bonus token is not an accepted token."""
+    kept = [kept_draft(trace, eos_ids) for trace in traces]
+    return metrics.counts_from_steps([a for a, _ in kept], [d for _, d in kept])
 
 
 class TokenTexts:

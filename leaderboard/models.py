@@ -8,6 +8,7 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
+from worker import methods
 from worker.protocol import ProtocolSpec, canonical_json
 
 
@@ -121,14 +122,7 @@ class Protocol(models.Model):
 
 
 class Drafter(models.Model):
-    METHODS = [
-        ("ngram", "n-gram prompt lookup"),
-        ("draft_model", "draft model"),
-        ("eagle", "EAGLE"),
-        ("eagle3", "EAGLE-3"),
-        ("medusa", "Medusa"),
-        ("mtp", "multi-token prediction"),
-    ]
+    METHODS = methods.DRAFTER_CHOICES  # (method, label), from the registry in worker/methods
     REVIEW_STATES = [("pending", "pending"), ("approved", "approved"),
                      ("rejected", "rejected"), ("withdrawn", "withdrawn")]
 

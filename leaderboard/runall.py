@@ -11,6 +11,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from worker.processes import stop_process_group
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -50,14 +52,7 @@ def main(argv=None):
         children[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
 
     def stop(*_):
-        for proc in children.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in children.values():
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_process_group(*children.values(), term_timeout=20, kill_timeout=10)
         sys.exit(0)
 
     signal.signal(signal.SIGINT, stop)

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from worker.processes import stop_process_group
+
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = Path(os.environ.get("SPECBOARD_SHARED_DATA", ROOT.parent / "shared" / "data"))
 ARTIFACTS = Path(os.environ.get("SPECBOARD_TEST_ARTIFACTS", ROOT / "test-artifacts"))
@@ -87,24 +89,11 @@ class WorkerProcess:
             start_new_session=True)
 
     def kill(self):
-        import signal
-
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(30)
+        """SIGKILL, as a crash would end it (no warm shutdown)."""
+        stop_process_group(self.proc, term_timeout=None, kill_timeout=30)
 
     def stop(self):
-        import signal
-        import subprocess
-
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_process_group(self.proc, term_timeout=60, kill_timeout=30)
         self.log.close()
 
     def output(self):

@@ -1,4 +1,4 @@
-"""Drafter upload validation (worker/checkpoint.py): real crafted uploads, no mocks.
+"""Drafter upload validation (worker/checkpoint): real crafted uploads, no mocks.
 
 Rule tests use a tiny made-up target (vocab 64, hidden 16, 4 layers) so they run in
 milliseconds; the positive case uses a real draft model cut from the demo target.
@@ -23,12 +23,11 @@ from worker.checkpoint import (
     Problem,
     TargetFacts,
     Upload,
-    add_cli_arguments,
-    check_safetensors_header,
-    cli,
     validate_checkpoint,
     validate_ngram_params,
 )
+from worker.checkpoint.cli import add_cli_arguments, cli
+from worker.safetensors_header import check_safetensors_header
 
 TINY = TargetFacts(vocab_size=64, hidden_size=16, num_layers=4)
 LIMIT = 8 * 1024 * 1024
@@ -582,6 +581,7 @@ BAD_SAFETENSORS = {
     "metadata_not_str_to_str": (raw_safetensors({"__metadata__": {"format": 1},
                                                  "a": T("U8", [1], 0, 1)}, b"\0"), "__metadata__", "strings"),
     "extra_key_in_entry": (raw_safetensors({"a": dict(T("U8", [1], 0, 1), extra=1)}, b"\0"), "a", "exactly"),
+    "no_tensors": (raw_safetensors({"__metadata__": {"format": "pt"}}), "header", "no tensors"),
 }
 
 

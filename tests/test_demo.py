@@ -8,7 +8,6 @@ gradio < 13): it imports only leaderboard.demo_trace / demo_engine, and the brow
 starts the app from .venv-demo as a subprocess (`make install` creates it)."""
 import os
 import re
-import signal
 import socket
 import subprocess
 import time
@@ -22,12 +21,13 @@ from django.test import RequestFactory
 
 from leaderboard import demo_engine as de
 from leaderboard.demo_trace import (ACCEPTED, BONUS, CORRECTED, TARGET, TraceView, counters,
-                                    counters_markdown, step_counts, step_labels)
+                                    counters_markdown, counts_from_traces, step_labels)
 from leaderboard.models import Drafter, DrafterFile, Prompt, PromptSet, Target, TrainingDataset
 from leaderboard.services.training import register_drafter
 from worker import metrics
 from worker.engines.reference import StepTrace
-from worker.proposers import make_proposer
+from worker.methods import make_proposer
+from worker.processes import stop_process_group
 
 from .conftest import ROOT, database_url_for_subprocess
 # The training tests' cheap set-up: four conversations of the target, a recipe trained on
@@ -62,12 +62,12 @@ def test_step_labels_tell_accepted_corrected_bonus_and_plain_tokens():
 
 
 def test_counts_follow_the_metric_definitions_and_stop_at_eos():
-    assert step_counts(trace(0, [], 0, 10)) == metrics.SpecCounts()
-    c = step_counts(trace(1, [11, 12, 13, 14], 2, 15))
+    assert counts_from_traces([trace(0, [], 0, 10)]) == metrics.SpecCounts()
+    c = counts_from_traces([trace(1, [11, 12, 13, 14], 2, 15)])
     assert (c.drafts, c.draft_tokens, c.accepted_tokens, c.accepted_at) == (1, 4, 2, [1, 1, 0, 0])
     # The sequence ended inside the accepted draft: the drafted token after EOS is not counted.
     ended = trace(2, [11, EOS, 12], 2, None, finished=True)
-    c = step_counts(ended, eos_ids={EOS})
+    c = counts_from_traces([ended], eos_ids={EOS})
     assert (c.draft_tokens, c.accepted_tokens, c.accepted_at) == (2, 2, [1, 1])
 
     view = fake_view()
@@ -349,13 +349,7 @@ def demo_server(tmp_path):
         wait_for_http(url, proc, log_path)
         yield url, log_path
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_process_group(proc, term_timeout=20, kill_timeout=10)
 
 
 @pytest.fixture

@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 from worker import generate as generate_cli
 from worker import metrics, traces
 from worker.engines.reference import Llama, PackedLinear, ReferenceEngine, StepTrace
-from worker.proposers import DraftModelProposer, NgramProposer, make_proposer
+from worker.methods import make_proposer
+from worker.proposers import DraftModelProposer, NgramProposer
 
 NEW_TOKENS = 16
 PROMPTS = [
@@ -389,6 +390,10 @@ def test_trace_analyses_agree_with_the_metric_definitions():
     assert counts.accepted_at == [3, 1, 1]
     assert traces.per_position_acceptance([Result], k=3) == [0.75, 0.25, 0.25]
     assert traces.acceptance_length([Result]) == 1 + 5 / 4
+    # the one SpecCounts-from-steps (the vLLM records and the demo use it too): a step that
+    # drafted nothing is no draft; without k, accepted_at is as long as the longest draft
+    assert metrics.counts_from_steps([0, 3, 1, 0, 1], [0, 3, 3, 3, 1], 3) == counts
+    assert metrics.counts_from_steps([2, 0], [2, 0]) == metrics.SpecCounts(1, 2, 2, [1, 1])
 
 
 def test_ngram_proposer_prefers_the_longest_match():

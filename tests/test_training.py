@@ -17,7 +17,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 
 from worker.checkpoint import TargetFacts, Upload, validate_checkpoint
-from worker.proposers import make_proposer
+from worker.methods import make_proposer
 from worker.training import train_recipe
 from worker.training.data import (GenerationSettings, TrainingDataError, check_not_evaluation,
                                   generate_conversations, read_dataset, text_sha256, write_dataset)

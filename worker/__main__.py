@@ -10,7 +10,7 @@ import sys
 COMMANDS = {
     "measure": ("worker.measure", "measure a drafter (or the baseline) under a protocol file"),
     "generate": ("worker.generate", "generate with the reference engine and print the step trace"),
-    "validate": ("worker.checkpoint", "validate a drafter checkpoint as an upload would be"),
+    "validate": ("worker.checkpoint.cli", "validate a drafter checkpoint as an upload would be"),
 }
 
 

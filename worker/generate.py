@@ -53,7 +53,7 @@ def cli(args) -> int:
 
     from worker import traces
     from worker.engines.reference import ReferenceEngine
-    from worker.proposers import make_proposer
+    from worker.methods import make_proposer
 
     prompts = list(args.prompt)
     if args.batch_file:

@@ -171,15 +171,6 @@ def request_seed(seed: int, prompt_id: str, repetition: int) -> int:
 
 # --------------------------------------------------------------------------- counts
 
-def counts_from_steps(accepted: list[int], drafted: list[int], k: int) -> SpecCounts:
-    """SpecCounts of verification steps given accepted and drafted tokens per step."""
-    at = [0] * k
-    for a in accepted:
-        for i in range(min(a, k)):
-            at[i] += 1
-    return SpecCounts(len(accepted), sum(drafted), sum(accepted), at)
-
-
 def request_spec_counts(spec_metrics: dict | None, step_tokens: list[int], output_len: int,
                         k: int):
     """A request's speculation counts as vLLM counted them (``raw``) and with the tokens
@@ -204,7 +195,7 @@ def request_spec_counts(spec_metrics: dict | None, step_tokens: list[int], outpu
                          sum(j * c for j, c in enumerate(hist)),
                          [sum(hist[i + 1:]) for i in range(k)])
         return raw, raw, None
-    raw = counts_from_steps(accepted, drafted, k)
+    raw = metrics.counts_from_steps(accepted, drafted, k)
     if not step_tokens or sum(step_tokens) != output_len:
         return raw, raw, None
     non_spec_steps = len(step_tokens) - 1 - len(accepted)
@@ -217,8 +208,8 @@ def request_spec_counts(spec_metrics: dict | None, step_tokens: list[int], outpu
     kept_last = accepted[-1] + 1 - cut
     if not 1 <= kept_last <= accepted[-1]:
         return raw, raw, None
-    kept = counts_from_steps(accepted[:-1] + [kept_last],
-                             drafted[:-1] + [min(drafted[-1], kept_last)], k)
+    kept = metrics.counts_from_steps(accepted[:-1] + [kept_last],
+                                     drafted[:-1] + [min(drafted[-1], kept_last)], k)
     return raw, kept, cut
 
 

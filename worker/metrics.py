@@ -43,6 +43,19 @@ class SpecCounts:
         )
 
 
+def counts_from_steps(accepted, drafted, k: int | None = None) -> SpecCounts:
+    """SpecCounts of one or more requests' speculative steps, given the tokens each step
+    accepted and drafted (parallel lists). A step that drafted nothing is not a draft.
+    ``accepted_at`` has k places (k not given: the longest draft's length)."""
+    steps = [(a, d) for a, d in zip(accepted, drafted) if d > 0]
+    k = k or max((d for _, d in steps), default=0)
+    at = [0] * k
+    for a, _ in steps:
+        for i in range(min(a, k)):
+            at[i] += 1
+    return SpecCounts(len(steps), sum(d for _, d in steps), sum(a for a, _ in steps), at)
+
+
 def acceptance_length(c: SpecCounts):
     """Acceptance length AL = 1 + accepted_tokens / drafts: the tokens one speculative step
     yields, counting the target's bonus or corrected token (as vLLM does). None without drafts."""

@@ -23,8 +23,10 @@ given yet (the prompt at first, then the last token and the accepted drafts of e
 
 Methods: ``ngram`` (prompt lookup), ``draft_model`` (a smaller Llama sharing the
 tokenizer), ``eagle`` (an EAGLE-1 head) and ``medusa`` (Medusa heads), the last two in the
-layouts of worker/heads.py. EAGLE-3 and MTP heads are not implemented here: see
-``NOT_IMPLEMENTED``.
+layouts of worker/heads.py. Each method's module in worker/methods names its proposer here;
+``worker.methods.make_proposer`` builds one. EAGLE-3 (three fused hidden layers and a
+d2t/t2d vocabulary map) and MTP (layers inside the target's own checkpoint) have none: the
+vLLM engine measures them.
 """
 from __future__ import annotations
 
@@ -289,31 +291,3 @@ def _right_pad(rows, device, pad=0):
     width = max(len(r) for r in rows)
     return torch.tensor([list(r) + [pad] * (width - len(r)) for r in rows], dtype=torch.long,
                         device=device)
-
-
-PROPOSERS = {"ngram": NgramProposer, "draft_model": DraftModelProposer,
-             "eagle": EagleProposer, "medusa": MedusaProposer}
-WEIGHTED = ("draft_model", "eagle", "medusa")
-
-# Methods a drafter may be submitted with that the reference engine does not run: EAGLE-3
-# (three fused hidden layers and a d2t/t2d vocabulary map) and MTP (layers inside the
-# target's own checkpoint) are left to the vLLM engine, which reads them.
-NOT_IMPLEMENTED = ("eagle3", "mtp")
-
-
-def make_proposer(method: str, path: str | None = None, **params):
-    """A proposer for ``method``: ``ngram`` (params prompt_lookup_min, prompt_lookup_max),
-    ``draft_model`` (``path`` to a Llama checkpoint sharing the target's tokenizer), ``eagle``
-    or ``medusa`` (``path`` to a head checkpoint, worker/heads.py); params dtype, device."""
-    if method in NOT_IMPLEMENTED:
-        raise NotImplementedError(f"the reference engine has no {method} proposer; "
-                                  f"measure it with the vLLM engine")
-    if method not in PROPOSERS:
-        raise ValueError(f"unknown drafting method {method!r}; known: {sorted(PROPOSERS)}")
-    if method in WEIGHTED:
-        if not path:
-            raise ValueError(f"{method} needs the path of its checkpoint folder")
-        return PROPOSERS[method](path, **params)
-    if path:
-        raise ValueError(f"{method} takes no checkpoint path")
-    return NgramProposer(**params)

@@ -22,6 +22,8 @@ from collections import deque
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from worker.processes import stop_process_group
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -42,6 +44,8 @@ def log_tail(path, lines=60):
 def _watch_parent(parent_pid):
     while True:
         if os.getppid() != parent_pid:
+            # Not stop_process_group: the parent is gone, so the child ends its own group
+            # (itself included) from inside, at once.
             os.killpg(0, signal.SIGKILL)
         time.sleep(1.0)
 
@@ -62,19 +66,6 @@ def _child_main(events_fd: int, parent_pid: int):
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-
-
-def _end_group(process):
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(process.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            return
-        try:
-            process.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def _wait_quietly(process, seconds):
@@ -126,8 +117,7 @@ def run_job_in_child(job, log_path, on_event, should_stop, poll_seconds=2.0):
                 return "stopped"
     finally:
         events.close()
-        if process.poll() is None:
-            _end_group(process)
+        stop_process_group(process, term_timeout=10, kill_timeout=5)
 
 
 if __name__ == "__main__":

@@ -35,17 +35,8 @@ def spec_counts(results, k: int | None = None) -> metrics.SpecCounts:
     """SpecCounts over requests: drafts, drafted tokens, accepted tokens (bonus not
     counted) and accepted_at[i-1], the drafts whose position i was accepted (i = 1..k)."""
     steps = [s for r in results for s in drafts(r)]
-    k = k or max((len(s.drafted) for s in steps), default=0)
-    accepted_at = [0] * k
-    for s in steps:
-        for i in range(min(s.accepted, k)):
-            accepted_at[i] += 1
-    return metrics.SpecCounts(
-        drafts=len(steps),
-        draft_tokens=sum(len(s.drafted) for s in steps),
-        accepted_tokens=sum(s.accepted for s in steps),
-        accepted_at=accepted_at,
-    )
+    return metrics.counts_from_steps([s.accepted for s in steps],
+                                     [len(s.drafted) for s in steps], k)
 
 
 def per_position_acceptance(results, k: int | None = None) -> list[float]:

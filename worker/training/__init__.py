@@ -4,7 +4,7 @@
     train_recipe("eagle", target_dir, dataset_file, target_sha256, out_dir, seed=0)
 
 writes ``out_dir/drafter/`` (config.json + model.safetensors, the format the engines load
-and worker/checkpoint.py accepts), ``out_dir/train-state.pt`` (the checkpoint) and
+and worker/checkpoint accepts), ``out_dir/train-state.pt`` (the checkpoint) and
 ``out_dir/training.json`` (recipe, data sha256, seed, settings, loss, seconds).
 """
 from __future__ import annotations
@@ -70,19 +70,19 @@ def train_recipe(recipe_name, target_dir, dataset_file, target_sha256, out_dir, 
 def acceptance(target_dir, method, drafter_dir, prompts, k=3, max_new_tokens=64, engine=None):
     """Acceptance length of a drafter on chat prompts with the reference engine (greedy),
     and whether every output equals the target's own greedy output."""
+    from worker import metrics, traces
     from worker.engines.reference import ReferenceEngine
-    from worker.proposers import make_proposer
+    from worker.methods import make_proposer
 
     engine = engine or ReferenceEngine(target_dir)
     ids = [engine.encode_chat(p) for p in prompts]
     plain = engine.generate(ids, max_new_tokens=max_new_tokens)
     spec = engine.generate(ids, proposer=make_proposer(method, str(drafter_dir)), k=k,
                            max_new_tokens=max_new_tokens)
-    drafts = sum(1 for r in spec for s in r.steps if s.drafted)
-    accepted = sum(s.accepted for r in spec for s in r.steps if s.drafted)
-    al = 1 + accepted / drafts if drafts else None
+    counts = traces.spec_counts(spec)
     lossless = all(a.output_ids == b.output_ids for a, b in zip(plain, spec))
     plain_s = sum(r.timings["wall"] for r in plain) / len(plain)
     spec_s = sum(r.timings["wall"] for r in spec) / len(spec)
-    return {"acceptance_length": al, "lossless": lossless, "drafts": drafts,
+    return {"acceptance_length": metrics.acceptance_length(counts), "lossless": lossless,
+            "drafts": counts.drafts,
             "plain_seconds": round(plain_s, 2), "speculative_seconds": round(spec_s, 2)}

@@ -1,6 +1,6 @@
 """Baseline drafter recipes. Each trains on the same shared data (the target's own
 conversations and its hidden states, worker/training/data.py) and writes a folder the
-engines load (config.json + model.safetensors) that passes worker/checkpoint.py.
+engines load (config.json + model.safetensors) that passes worker/checkpoint.
 
 - ``draft_model``: a small Llama made of the target's embeddings, first ``layers`` decoder
   layers, final norm and lm_head (tied as in the target), distilled on the target's

@@ -1,0 +1,109 @@
+"""The two entry points of a submission's validation: ``validate_checkpoint`` for a
+drafter's files and ``validate_ngram_params`` for the parameters of a method without files."""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Iterable, Mapping
+
+from worker import methods
+from worker.checkpoint.archives import DEFAULT_MAX_FILES, Extraction
+from worker.checkpoint.contents import check_contents
+from worker.checkpoint.results import (CheckpointFile, CheckpointRejected, Problem, TargetFacts,
+                                       Upload, ValidatedCheckpoint, content_sha256)
+from worker.safetensors_header import is_int
+
+
+def validate_checkpoint(uploads: Iterable, method: str, target, *, max_total_bytes: int,
+                        max_files: int = DEFAULT_MAX_FILES,
+                        tmp_root: str | os.PathLike | None = None) -> ValidatedCheckpoint:
+    """Validate an upload; see worker/checkpoint/__init__.py for the rules.
+
+    ``uploads``: ``(name, file object or path, size)`` triples (``Upload``); ``target``: a
+    ``TargetFacts`` or a mapping with vocab_size, hidden_size, num_layers. Returns a
+    ``ValidatedCheckpoint`` whose files live in a temporary directory under ``tmp_root``
+    (the system default if None) that the caller removes with ``cleanup()``; raises
+    ``CheckpointRejected`` with every problem found, after removing that directory.
+    """
+    uploads = [u if isinstance(u, Upload) else Upload(*u) for u in uploads]
+    if not isinstance(target, TargetFacts):
+        target = TargetFacts(int(target["vocab_size"]), int(target["hidden_size"]),
+                             int(target["num_layers"]))
+    if method not in methods.DRAFTER_METHODS:
+        raise CheckpointRejected([Problem("(method)", "method", f"unknown method {method!r}: "
+                                          f"use one of {', '.join(methods.DRAFTER_METHODS)}")])
+    if not methods.get(method).needs_weights:
+        if uploads:
+            raise CheckpointRejected([Problem(u.name, "method", f"the {method} method takes no "
+                                              "files (it has parameters only): remove the file")
+                                      for u in uploads])
+        return ValidatedCheckpoint(method, [], content_sha256([]), None, 0, 0)
+    if not uploads:
+        raise CheckpointRejected([Problem("(upload)", "files", f"a {method} drafter needs "
+                                          "files: config.json and .safetensors weights")])
+
+    run = Extraction(max_total_bytes, max_files, tmp_root)
+    try:
+        run.collect(uploads)
+        config, params, count = (None, 0, 0)
+        if not run.aborted:
+            config, params, count = check_contents(run, methods.get(method), target)
+        if run.problems:
+            raise CheckpointRejected(run.problems)
+        files = [CheckpointFile(e.name, e.size, e.sha256, e.path, e.source, e.member)
+                 for e in sorted(run.entries, key=lambda e: e.name)]
+        archive_copy = run.tmp / "archive"
+        if archive_copy.exists():
+            archive_copy.unlink()
+        return ValidatedCheckpoint(
+            method=method, files=files,
+            content_sha256=content_sha256((f.name, f.sha256) for f in files),
+            config=config, parameter_count=params, tensor_count=count,
+            ignored=sorted(run.ignored), temp_dir=run.tmp)
+    except BaseException:
+        shutil.rmtree(run.tmp, ignore_errors=True)
+        raise
+
+
+NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max", "k")
+
+
+def validate_ngram_params(params: Mapping, allowed_ks: Iterable[int]) -> dict:
+    """Check n-gram prompt-lookup parameters: ints with 1 <= prompt_lookup_min <=
+    prompt_lookup_max <= 16, and ``k`` (optional; the protocol's budgets apply when it is
+    absent) in ``allowed_ks``. Returns the normalised parameters or raises
+    CheckpointRejected."""
+    problems = []
+    allowed = sorted(set(allowed_ks))
+
+    def bad(fld, msg):
+        problems.append(Problem("params", fld, msg))
+
+    if not isinstance(params, Mapping):
+        raise CheckpointRejected([Problem("params", "params", "must be a JSON object with "
+                                          "prompt_lookup_min and prompt_lookup_max")])
+    for key in params:
+        if key not in NGRAM_KEYS:
+            bad(key, f"unknown parameter: ngram takes {', '.join(NGRAM_KEYS)}")
+    out = {}
+    for key in ("prompt_lookup_min", "prompt_lookup_max"):
+        v = params.get(key)
+        if v is None:
+            bad(key, "missing: give an integer from 1 to 16")
+        elif not is_int(v) or not 1 <= v <= 16:
+            bad(key, f"must be an integer from 1 to 16, got {v!r}")
+        else:
+            out[key] = v
+    if len(out) == 2 and out["prompt_lookup_min"] > out["prompt_lookup_max"]:
+        bad("prompt_lookup_min", f"{out['prompt_lookup_min']} is larger than "
+            f"prompt_lookup_max {out['prompt_lookup_max']}")
+    if "k" in params:
+        k = params["k"]
+        if not is_int(k) or k not in allowed:
+            bad("k", f"must be one of the protocol's speculation budgets {allowed}, got {k!r}")
+        else:
+            out["k"] = k
+    if problems:
+        raise CheckpointRejected(problems)
+    return out
+

@@ -1,0 +1,26 @@
+"""The baseline: no speculation; the target decodes one token per step. Every measurement
+protocol measures it; speedups divide by it. Not a drafter anyone submits."""
+from __future__ import annotations
+
+from worker.methods.base import Method, check_params
+
+
+def speculative_config(drafter, k: int) -> None:
+    check_params(drafter, "baseline", ())
+    return None
+
+
+METHOD = Method(
+    name="baseline",
+    label="baseline (no speculation)",
+    submittable=False,
+    needs_weights=False,
+    weights_in_target=False,
+    runs_on_cpu=True,
+    cpu_refusal="",
+    params=(),
+    speculative_config=speculative_config,
+    check_config=None,
+    proposer=None,
+    draft_cost=False,
+)
