@@ -164,7 +164,7 @@ STATICFILES_FINDERS = [
 SPECBOARD_SUBMISSIONS_PER_DAY = env_int("SPECBOARD_SUBMISSIONS_PER_DAY", 5)
 # Largest upload (all files of one drafter together, archives as decompressed).
 SPECBOARD_MAX_UPLOAD_BYTES = env_int("SPECBOARD_MAX_UPLOAD_BYTES", 20 * 1024 ** 3)
-# A sharded checkpoint may have many files (worker/checkpoint.py allows 256).
+# A sharded checkpoint may have many files (worker/checkpoint/ allows 256).
 DATA_UPLOAD_MAX_NUMBER_FILES = 300
 # The leaderboard table and the drafter page's results are cached per state of the data
 # (Django's cache: per process by default) for this long; 0 turns the cache off.

@@ -16,7 +16,8 @@ import pytest
 from django.urls import reverse
 
 from worker import analysis, metrics
-from worker.measure import cell_figures, counts_from_steps
+from worker.measure import cell_figures
+from worker.metrics import counts_from_steps
 
 # Every test may use the database (the pure ones do not); the browser test is transactional.
 pytestmark = pytest.mark.django_db

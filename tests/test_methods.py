@@ -64,14 +64,16 @@ def test_the_registry_lists_todays_methods_in_order():
 
 @pytest.mark.django_db
 def test_every_list_of_methods_in_the_site_is_the_registrys():
-    from leaderboard import api, demo_engine, forms, selectors
+    from leaderboard import demo_engine, forms
+    from leaderboard.api import common
     from leaderboard.models import Drafter
+    from leaderboard.selectors import shapes
 
     assert Drafter.METHODS == methods.DRAFTER_CHOICES
     assert Drafter._meta.get_field("method").choices == methods.DRAFTER_CHOICES
     assert list(forms.SubmitForm().fields["method"].choices) == methods.DRAFTER_CHOICES
-    assert api.METHODS == methods.DRAFTER_METHODS
-    assert selectors.METHOD_LABELS == dict(methods.DRAFTER_CHOICES)
+    assert common.METHODS == methods.DRAFTER_METHODS
+    assert shapes.METHOD_LABELS == dict(methods.DRAFTER_CHOICES)
     assert demo_engine.SUPPORTED_METHODS == methods.REFERENCE_METHODS
 
 

@@ -1,4 +1,4 @@
-"""Submission through the submit page: every validation rule of worker/checkpoint.py reached
+"""Submission through the submit page: every validation rule of worker/checkpoint/ reached
 with a crafted bad upload (refused with a message naming the file; nothing stored: no rows,
 no files under MEDIA_ROOT), a real draft model cut from the demo target accepted and
 queued, duplicates, the rate limit and the n-gram parameters."""
@@ -233,7 +233,7 @@ def test_ngram_parameters_are_checked_next_to_their_fields(client, user, protoco
     assert response.status_code == 302
     d = Drafter.objects.get()
     assert d.params == {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    # what is stored, the engines take (worker/methods.py)
+    # what is stored, the engines take (worker/methods/)
     from worker.methods import ALLOWED_PARAMS
     assert set(d.params) <= set(ALLOWED_PARAMS["ngram"])
     assert len(d.content_sha256) == 64 and not d.files.exists()

@@ -13,12 +13,12 @@ import shutil
 
 import pytest
 
-from worker.measure import (FIGURE_KEYS, CellResult, DrafterSpec, MeasureJob, cli,
-                            counts_from_steps, iter_cells, load_protocol_file,
-                            measurement_order, parse_drafter, request_spec_counts)
+from worker.measure import (FIGURE_KEYS, CellResult, DrafterSpec, MeasureJob, cli, iter_cells,
+                            load_protocol_file, measurement_order, parse_drafter,
+                            request_spec_counts)
 from worker.methods import (DrafterCheckpointError, UnsupportedMethod, check_supported,
                             speculative_config)
-from worker.metrics import per_position_acceptance, truncate_at_eos
+from worker.metrics import counts_from_steps, per_position_acceptance, truncate_at_eos
 from worker.prompts import file_sha256
 from worker.protocol import ProtocolSpec, TaskSpec
 

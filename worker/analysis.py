@@ -107,9 +107,9 @@ import re
 from dataclasses import dataclass
 
 from worker import metrics
+from worker.methods import NO_DRAFT_COST_METHODS
 
 log = logging.getLogger(__name__)
-NO_DRAFT_COST_METHODS = ("ngram",)
 
 
 # ----------------------------------------------------------------------------- cost model

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ninja import Schema
 from pydantic import ConfigDict, Field
 
-from ..models import Drafter
+from worker.methods import DRAFTER_METHODS
 
 # Numbers the database columns can hold (PositiveIntegerField; BigAutoField ids), so that
 # an out-of-range filter is a 422, never a database error.
@@ -14,7 +14,7 @@ ID_MAX = 2 ** 63 - 1
 SLUG = r"^[-a-zA-Z0-9_]+$"
 PROTOCOL_REF = r"^[-a-zA-Z0-9_]+(@[0-9]{1,9})?$"
 TASK = r"^[-a-zA-Z0-9_.]+$"
-METHODS = tuple(m for m, _ in Drafter.METHODS)
+METHODS = DRAFTER_METHODS
 MAX_LIMIT = 1000
 
 

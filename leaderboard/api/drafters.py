@@ -177,8 +177,8 @@ def submit(request, data: Form[SubmitIn],
            files: list[UploadedFile] = File(None, description=(
                "checkpoint files: config.json plus *.safetensors, or one .zip / .tar.gz "
                "archive; none for ngram"))):
-    """The same validation as the submit page (worker/checkpoint.py through
-    leaderboard/submissions.py): config.json plus *.safetensors as several `files`, or one
+    """The same validation as the submit page (worker/checkpoint/ through
+    leaderboard/services/submissions.py): config.json plus *.safetensors as several `files`, or one
     .zip / .tar.gz; no files for ngram. Nothing is stored when it is refused."""
     protocol = protocols.get_protocol(data.protocol)
     if protocol is None:
