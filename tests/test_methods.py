@@ -1,4 +1,4 @@
-"""The drafting-method registry (worker/methods): every method module declares every field,
+"""The drafting-method registry (worker/methods): every method module declares a whole Method,
 every list of methods in the project is the registry's, and the public functions behave as
 each method declares (speculative_config, check_supported, make_proposer)."""
 import dataclasses
@@ -30,7 +30,7 @@ def test_every_method_module_is_registered_under_its_own_name():
 
 
 @pytest.mark.parametrize("name", METHOD_MODULES)
-def test_every_method_declares_every_field(name):
+def test_every_method_is_complete(name):
     m = methods.REGISTRY[name]
     declared = {f.name for f in dataclasses.fields(Method)}
     assert declared == set(vars(m))

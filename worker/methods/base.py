@@ -14,9 +14,16 @@ class DrafterCheckpointError(ValueError):
     """A drafter's files are missing or damaged; the message names the file and the fault."""
 
 
+# Speculative-config fields a drafter's parameters may set, for the methods that draft with
+# a checkpoint. Anything else is refused, so that a parameter cannot silently change what
+# is measured.
+WEIGHTED_PARAMS = ("draft_tensor_parallel_size", "quantization", "draft_sample_method")
+
+
 @dataclass(frozen=True)
 class Method:
-    """One drafting method, as its module in worker/methods declares it.
+    """One drafting method, as its module in worker/methods declares it. The defaults are
+    those of a method that drafts with a checkpoint folder; a module states the rest.
 
     - ``name``, ``label``: the method's id (stored on each Drafter) and what pages show.
     - ``submittable``: a drafter can be submitted with it (the baseline cannot: it is the
@@ -41,16 +48,16 @@ class Method:
 
     name: str
     label: str
-    submittable: bool
-    needs_weights: bool
-    weights_in_target: bool
-    runs_on_cpu: bool
-    cpu_refusal: str
-    params: tuple[str, ...]
     speculative_config: Callable
-    check_config: Callable | None
-    proposer: str | None
-    draft_cost: bool
+    check_config: Callable | None = None
+    proposer: str | None = None
+    submittable: bool = True
+    needs_weights: bool = True
+    weights_in_target: bool = False
+    runs_on_cpu: bool = True
+    cpu_refusal: str = ""
+    params: tuple[str, ...] = WEIGHTED_PARAMS
+    draft_cost: bool = True
 
     def proposer_class(self):
         from worker import proposers
@@ -58,10 +65,6 @@ class Method:
         return getattr(proposers, self.proposer)
 
 
-# Speculative-config fields a drafter's parameters may set, for the methods that draft with
-# a checkpoint. Anything else is refused, so that a parameter cannot silently change what
-# is measured.
-WEIGHTED_PARAMS = ("draft_tensor_parallel_size", "quantization", "draft_sample_method")
 
 
 def check_params(drafter, method: str, allowed: tuple[str, ...]) -> None:

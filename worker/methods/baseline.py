@@ -15,12 +15,7 @@ METHOD = Method(
     label="baseline (no speculation)",
     submittable=False,
     needs_weights=False,
-    weights_in_target=False,
-    runs_on_cpu=True,
-    cpu_refusal="",
     params=(),
     speculative_config=speculative_config,
-    check_config=None,
-    proposer=None,
     draft_cost=False,
 )

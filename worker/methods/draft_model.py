@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from worker.methods.base import WEIGHTED_PARAMS, Method, weighted_config
+from worker.methods.base import Method, weighted_config
 from worker.methods.config_rules import (MAX_LAYERS, check_architectures, check_decoder_sizes,
                                          check_vocab)
 from worker.safetensors_header import is_int
@@ -86,14 +86,7 @@ def _ranges(xs: list[int]) -> str:
 METHOD = Method(
     name="draft_model",
     label="draft model",
-    submittable=True,
-    needs_weights=True,
-    weights_in_target=False,
-    runs_on_cpu=True,
-    cpu_refusal="",
-    params=WEIGHTED_PARAMS,
     speculative_config=speculative_config,
     check_config=check_config,
     proposer="DraftModelProposer",
-    draft_cost=True,
 )

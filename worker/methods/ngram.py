@@ -28,14 +28,9 @@ def speculative_config(drafter, k: int) -> dict:
 METHOD = Method(
     name="ngram",
     label="n-gram prompt lookup",
-    submittable=True,
     needs_weights=False,
-    weights_in_target=False,
-    runs_on_cpu=True,
-    cpu_refusal="",
     params=PARAMS,
     speculative_config=speculative_config,
-    check_config=None,
     proposer="NgramProposer",
     draft_cost=False,
 )
