@@ -281,16 +281,15 @@ def backfill_speedups(baseline: Run, baseline_records: records.RunRecords):
         run__protocol_id=baseline.protocol_id, run__hardware=baseline.hardware,
         run__engine_version=baseline.engine_version, run__drafter__isnull=False,
         baseline_result__isnull=True).select_related("run").order_by("run_id")
-    drafter_runs = {}
+    records_by_run, divided = {}, {}
     for result in pending:
-        run_records = drafter_runs.get(result.run_id, (None, None))[1] \
-            or records.RunRecords(result.run_id)
+        run_records = records_by_run.setdefault(result.run_id, records.RunRecords(result.run_id))
         cell = Cell(result.task, result.batch_size, result.temperature, result.k)
         if compare_with_baseline(result, run_records.outputs(cell), baseline_records):
-            drafter_runs[result.run_id] = (result.run, run_records)
-    for drafter_run, run_records in drafter_runs.values():
+            divided[result.run_id] = result.run
+    for run_id, drafter_run in divided.items():
         if drafter_run.state == Run.SUCCEEDED:
-            record_analysis(drafter_run, run_records, baseline_records)
+            record_analysis(drafter_run, records_by_run[run_id], baseline_records)
 
 
 def record_analysis(run: Run, run_records: records.RunRecords | None = None,
