@@ -28,18 +28,32 @@ def env_list(name, default=()):
     return [item.strip() for item in value.split(",") if item.strip()]
 
 
+# SQLite as a concurrent server database (the embedded default takes the site, a worker and
+# API clients at once): WAL lets readers run beside the one writer, IMMEDIATE transactions
+# take the write lock when a transaction begins (a deferred one that later needs it fails
+# with "database is locked" instead of waiting), and the busy timeout makes writers queue.
+SQLITE_OPTIONS = {
+    "timeout": 30,
+    "transaction_mode": "IMMEDIATE",
+    "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+}
+
+
+def sqlite_database(name) -> dict:
+    return {"ENGINE": "django.db.backends.sqlite3", "NAME": str(name),
+            "OPTIONS": dict(SQLITE_OPTIONS)}
+
+
 def database_from_url(url, sqlite_default):
     """Django DATABASES entry from a DATABASE_URL (sqlite:///path or postgres://...)."""
     if not url:
-        return {"ENGINE": "django.db.backends.sqlite3", "NAME": str(sqlite_default),
-                "OPTIONS": {"timeout": 30}}
+        return sqlite_database(sqlite_default)
     parts = urlsplit(url)
     if parts.scheme == "sqlite":
         path = unquote(parts.path)
         # sqlite:////abs/path keeps its leading slash; sqlite:///rel/path is relative.
         name = path[1:] if path.startswith("/") and not path.startswith("//") else path[1:]
-        return {"ENGINE": "django.db.backends.sqlite3", "NAME": name or str(sqlite_default),
-                "OPTIONS": {"timeout": 30}}
+        return sqlite_database(name or sqlite_default)
     if parts.scheme in ("postgres", "postgresql", "pgsql"):
         return {
             "ENGINE": "django.db.backends.postgresql",

@@ -154,10 +154,14 @@ def submit_drafter(*, owner, protocol: Protocol, method: str, name: str, uploads
     stored = []
     try:
         content = ckpt.content_sha256 if ckpt.files else params_sha256(method, params)
-        existing = find_duplicate(content, protocol)
-        if existing is not None:
-            raise SubmissionRefused([duplicate_problem(existing)], existing=existing)
         with transaction.atomic():
+            # Concurrent identical submissions: the duplicate check and the insert form one
+            # transaction, serialised per protocol by a row lock (PostgreSQL) or by SQLite's
+            # IMMEDIATE write lock, so exactly one of them is stored.
+            list(Protocol.objects.select_for_update().filter(pk=protocol.pk).values_list("pk"))
+            existing = find_duplicate(content, protocol)
+            if existing is not None:
+                raise SubmissionRefused([duplicate_problem(existing)], existing=existing)
             drafter = Drafter.objects.create(
                 owner=owner, slug=unique_slug(name), name=name, method=method,
                 target=protocol.target, params=params, description=description, link=link,
