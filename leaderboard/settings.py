@@ -10,12 +10,31 @@ VAR_DIR = Path(env_str("SPECBOARD_VAR_DIR", str(BASE_DIR / "var")))
 # Cache for demo assets (the converted demo target, package files).
 DATA_DIR = Path(env_str("SPECBOARD_DATA_DIR", str(VAR_DIR / "data")))
 
-DEBUG = env_bool("DEBUG", default=not env_str("SECRET_KEY"))
+# DEBUG is off unless asked for (DEBUG=1): its error pages show source, settings and URLs.
+DEBUG = env_bool("DEBUG", default=False)
+# "production": the site is served behind TLS (docs/deployment.md): SECRET_KEY is required,
+# cookies are secure, HTTP is redirected to HTTPS. "embedded" (`make run`, tests): a key
+# generated once and kept under var/ stands in for SECRET_KEY.
+DEPLOYMENT = env_str("SPECBOARD_DEPLOYMENT", "embedded")
+if DEPLOYMENT not in ("embedded", "production"):
+    raise ValueError(f"SPECBOARD_DEPLOYMENT {DEPLOYMENT!r}: use embedded or production")
 SECRET_KEY = env_str("SECRET_KEY")
 if not SECRET_KEY:
-    if not DEBUG:
-        raise RuntimeError("SECRET_KEY must be set when DEBUG is off")
+    if DEPLOYMENT == "production":
+        raise RuntimeError("SECRET_KEY must be set when SPECBOARD_DEPLOYMENT=production")
     SECRET_KEY = persistent_secret_key(VAR_DIR / "secret_key")
+if DEPLOYMENT == "production":
+    SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = True
+    SECURE_SSL_REDIRECT = env_bool("SPECBOARD_SSL_REDIRECT", True)
+    # The TLS proxy in front says which requests came over HTTPS.
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    # HSTS is an option: once a browser has seen it, the host is HTTPS-only for this long.
+    SECURE_HSTS_SECONDS = env_int("SPECBOARD_HSTS_SECONDS", 0)
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SPECBOARD_HSTS_INCLUDE_SUBDOMAINS", False)
+    SECURE_HSTS_PRELOAD = env_bool("SPECBOARD_HSTS_PRELOAD", False)
+    if not SECURE_HSTS_SECONDS:
+        # check --deploy's "HSTS not set": a deliberate choice here (SPECBOARD_HSTS_SECONDS).
+        SILENCED_SYSTEM_CHECKS = ["security.W004"]
 
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
@@ -27,11 +46,15 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
+    # Swagger UI and ReDoc for /api/docs from the installed django-ninja (no CDN).
+    "ninja",
     "leaderboard",
 ]
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # Static files (site CSS, plotly.js) served by the site itself, DEBUG or not.
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -80,6 +103,8 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = VAR_DIR / "staticfiles"
+# WhiteNoise serves from the finders when nothing was collected (`make run`, tests).
+WHITENOISE_USE_FINDERS = DEPLOYMENT != "production"
 
 # Uploaded drafter files and run artifacts go through Django's storage API, so a shared
 # volume (MEDIA_ROOT) or an object store (SPECBOARD_STORAGE_BACKEND, e.g.
@@ -89,7 +114,11 @@ MEDIA_URL = "media/"
 STORAGES = {
     "default": {"BACKEND": env_str("SPECBOARD_STORAGE_BACKEND",
                                    "django.core.files.storage.FileSystemStorage")},
-    "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+    # production: compressed, content-hashed names written by collectstatic (browsers cache
+    # them for ever); embedded: files served straight from the source folders (no collectstatic).
+    "staticfiles": {"BACKEND": "whitenoise.storage.CompressedManifestStaticFilesStorage"
+                    if DEPLOYMENT == "production"
+                    else "django.contrib.staticfiles.storage.StaticFilesStorage"},
 }
 
 LOGIN_URL = "login"
