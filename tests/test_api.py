@@ -22,6 +22,7 @@ from leaderboard.selectors import results
 from leaderboard.api import API_VERSION
 from leaderboard.api import auth as api_auth
 from leaderboard.api import results as api_results
+from leaderboard.middleware import FORM_OVERHEAD_BYTES
 from leaderboard.models import ApiToken, Drafter, DrafterFile, Result, Run
 from worker import metrics
 from worker.protocol import canonical_json
@@ -514,7 +515,7 @@ def test_a_refused_submission_is_a_422_naming_the_file_and_field(client, users, 
 def test_an_upload_over_the_size_limit_is_a_413(client, users, board, media, settings):
     settings.SPECBOARD_MAX_UPLOAD_BYTES = 2000
     # over the limit by its declared length: refused before the body is read
-    big = upload("model.safetensors", b"\0" * (api_auth.FORM_OVERHEAD_BYTES + 4000))
+    big = upload("model.safetensors", b"\0" * (FORM_OVERHEAD_BYTES + 4000))
     response = client.post("/api/drafters", {**submission("draft_model"),
                                               "files": [upload("config.json", tiny_config()),
                                                         big]},

@@ -263,9 +263,20 @@ def test_submissions_per_day_are_limited(client, user, protocol, settings):
     assert ok.status_code == 302
     refused = client.post(reverse("submit"), form_data(protocol, method="ngram", name="two",
                                                        prompt_lookup_min="2", prompt_lookup_max="3"))
-    assert refused.status_code == 400
+    assert refused.status_code == 429
     assert "SPECBOARD_SUBMISSIONS_PER_DAY" in refused.content.decode()
     assert Drafter.objects.count() == 1
+
+
+def test_an_oversize_upload_is_refused_before_its_body_is_read(client, user, protocol,
+                                                               settings):
+    settings.SPECBOARD_MAX_UPLOAD_BYTES = 1000
+    # A body announced as 1 TB but empty: reading it would fail; it is never read.
+    response = client.generic("POST", reverse("submit"), b"", CONTENT_LENGTH=str(10 ** 12),
+                              CONTENT_TYPE="multipart/form-data; boundary=x")
+    assert response.status_code == 413
+    assert "SPECBOARD_MAX_UPLOAD_BYTES" in response.content.decode()
+    assert Drafter.objects.count() == 0
 
 
 def test_a_failure_after_storing_removes_the_files_and_rows(protocol, media, monkeypatch):

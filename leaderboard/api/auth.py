@@ -2,20 +2,16 @@
 passes before its upload is read, and /me, which says whose token it is."""
 from __future__ import annotations
 
-from django.conf import settings
 from ninja import Router
 from ninja.errors import AuthenticationError
 from ninja.security import HttpBearer
 from pydantic import Field
 
 from .. import tokens
+from ..middleware import content_length, upload_too_large_message
 from ..services import submissions
 from .common import Out
 from .errors import ApiError, PayloadTooLarge, error_responses, problem
-
-# A multipart body carries boundaries and the form fields besides the files.
-FORM_OVERHEAD_BYTES = 1024 * 1024
-
 
 class TokenAuth(HttpBearer):
     """`Authorization: Bearer TOKEN`; only the token's sha256 is stored (ApiToken). With
@@ -46,16 +42,9 @@ class TokenAuth(HttpBearer):
 
 
 def check_upload_size(request):
-    limit = settings.SPECBOARD_MAX_UPLOAD_BYTES
-    try:
-        length = int(request.META.get("CONTENT_LENGTH") or 0)
-    except ValueError:
-        length = 0
-    if length > limit + FORM_OVERHEAD_BYTES:
-        raise PayloadTooLarge(
-            f"the request body is {length} bytes; uploads are limited to {limit} bytes "
-            "(SPECBOARD_MAX_UPLOAD_BYTES): upload a smaller checkpoint (bf16 weights, only "
-            "the drafter's own tensors)")
+    message = upload_too_large_message(content_length(request))
+    if message is not None:
+        raise PayloadTooLarge(message)
 
 
 token_auth = TokenAuth()
