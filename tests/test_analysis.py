@@ -222,6 +222,177 @@ def test_ngram_is_predicted_without_draft_cost_and_its_overhead_lowers_efficienc
         assert "no drafting cost" in n["efficiency_note"] and "12.00 ms" in n["efficiency_note"]
 
 
+# An n-gram-like run: half the decode steps find no match and draft nothing, and the
+# matches draft 4 or 2 tokens (k = 4). Outputs of 13 and 9 tokens (the prefill's first).
+NGRAM_OUTPUTS = {"p1": list(range(300, 313)), "p2": list(range(400, 409))}
+NGRAM = {"p1": ([1, 1, 5, 1, 3, 1, 1], [4, 2, 0]),      # 12 decode tokens in 6 steps
+         "p2": ([1, 1, 3, 1, 3], [2, 2])}                # 8 decode tokens in 4 steps
+NGRAM_DRAFTED = {"p1": [4, 2, 4], "p2": [4, 2]}
+
+
+def ngram_cells(sizes=(1, 2, 8), overhead=0.0):
+    """Cells of that run whose requests took exactly the target's forwards of the steps
+    they ran (what the model says), plus `overhead` per decode step."""
+    cells = []
+    for b in sizes:
+        recs = [spec_record("chat", p, b, NGRAM, overhead, k=4, drafted=NGRAM_DRAFTED[p],
+                            outputs=NGRAM_OUTPUTS) for p in NGRAM_OUTPUTS]
+        cells.append(make_cell("chat", b, 4, recs, True))
+    return cells
+
+
+def ngram_baseline(sizes=(1, 2, 8)):
+    cells = []
+    for b in sizes:
+        recs = []
+        for p, out in NGRAM_OUTPUTS.items():
+            latency = TTFT + (len(out) - 1) * t_fwd(b)
+            recs.append({"prompt_id": p, "repetition": 0, "output_token_ids": out,
+                         "prompt_tokens": 5, "ttft": TTFT, "latency": latency})
+        cells.append(make_cell("chat", b, 0, recs, False))
+    return cells
+
+
+def test_an_ngram_run_whose_steps_often_draft_nothing_is_predicted_at_its_measured_time():
+    base = ngram_baseline()
+    cells = with_speedup(ngram_cells(), base)
+    old_efficiency = []
+    for a, c in zip(analysis.analyse_run(cells, base, "ngram"), cells):
+        b = a["batch_size"]
+        assert (a["tokens"], a["steps"], a["verify_steps"]) == (20, 10, 5)
+        assert a["tokens_per_step"] == pytest.approx(2.0)          # AL is 1 + 10/5 = 3
+        assert a["drafted_tokens"] == 16
+        # the model charges what these requests took: 5 one-token forwards, 3 steps
+        # verifying 5 tokens, 2 verifying 3
+        forward = 5 * t_fwd(b) + 3 * t_fwd(5 * b) + 2 * t_fwd(3 * b)
+        assert a["modelled_forward_seconds"] == pytest.approx(forward)
+        assert not a["verification_capped"]
+        assert a["predicted_speedup"] == pytest.approx(a["measured_speedup"])
+        assert a["engine_efficiency"] == pytest.approx(1.0)
+        assert a["efficiency_note"] is None and not a["measured_above_oracle"]
+        assert a["oracle_speedup"] >= a["no_waste_speedup"] >= a["predicted_speedup"]
+        # the old model charged every decode step a (k+1)-token verification: more than
+        # the measured decode time, so it was capped and the efficiency far above 1
+        decode = sum(r["latency"] - r["ttft"] for r in c["records"])
+        old_verification = 10 * t_fwd(5 * b)
+        assert old_verification > decode
+        old_predicted = 2.0 * t_fwd(b) / t_fwd(5 * b)
+        old_efficiency.append(a["measured_speedup"] / old_predicted)
+    assert min(old_efficiency) > 1.1 and max(old_efficiency) > analysis.EFFICIENCY_RANGE[1]
+    # the cell's stored tokens per step stands in where there are no records (older runs)
+    bare = analysis.analyse_cell({"task": "chat", "batch_size": 2, "temperature": 0.0, "k": 4,
+                                  "decode_tokens": 20, "decode_steps": 10}, None, "ngram")
+    assert bare["tokens_per_step"] == 2.0 and bare["predicted_speedup"] is None
+
+
+def test_the_cut_last_step_is_charged_the_verification_it_ran():
+    # drafted 3, all accepted, but EOS after 1 of them: the step emitted 2 tokens and was
+    # verified with 4
+    r = {"prompt_id": "x", "k": 3, "output_token_ids": list(range(7)), "ttft": 0.0,
+         "latency": 1.0, "vllm_spec_decode": {"per_step_accepted": [3, 3],
+                                              "per_step_drafted": [3, 3]},
+         "step_tokens": [1, 4, 2]}
+    rs = analysis.request_steps(r)
+    assert rs.step_list == [(3, 4), (3, 2)] and rs.tokens == 6
+    cell = {"task": "chat", "batch_size": 1, "temperature": 0.0, "k": 3, "records": [r],
+            "wall_seconds": 1.0, "speedup": 1.0}
+    a = analysis.analyse_cell(cell, analysis.CostModel(C0, C1), "draft_model")
+    assert a["modelled_forward_seconds"] == pytest.approx(2 * t_fwd(4))
+    # no-waste verifies only what each step emitted: 4, then 2
+    assert a["no_waste_time"] == pytest.approx(t_fwd(4) + t_fwd(2) + 2 * a["t_draft"])
+
+
+def random_records(rng, k, b, costs):
+    """Requests with random step patterns: steps that draft nothing, drafts of 1..k with
+    random acceptance, a last step cut at a random point; latencies from `costs`."""
+    records = []
+    for i in range(rng.randint(1, 4)):
+        step_tokens, accepted, drafted, latency = [1], [], [], 0.0
+        for _ in range(rng.randint(1, 12)):
+            d = rng.choice([0, 0] + list(range(1, k + 1)))
+            if d == 0:
+                step_tokens.append(1)
+            else:
+                a = rng.randint(0, d)
+                accepted.append(a)
+                drafted.append(d)
+                step_tokens.append(a + 1)
+            latency += costs(d)
+        if drafted and step_tokens[-1] > 1 and rng.random() < 0.5:   # the last step cut
+            step_tokens[-1] = rng.randint(1, step_tokens[-1] - 1)
+        n = sum(step_tokens)
+        records.append({"prompt_id": f"r{i}", "k": k, "output_token_ids": list(range(n)),
+                        "ttft": 0.001, "latency": 0.001 + latency,
+                        "vllm_spec_decode": {"per_step_accepted": accepted,
+                                             "per_step_drafted": drafted},
+                        "step_tokens": step_tokens})
+    return records
+
+
+def test_oracle_no_waste_and_predicted_keep_their_order_on_random_records_and_models():
+    import random
+
+    rng = random.Random(14)
+    checked = 0
+    for trial in range(300):
+        k, b = rng.randint(1, 6), rng.choice([1, 2, 4, 16])
+        model = analysis.CostModel(rng.uniform(0, 0.02), rng.uniform(0, 0.003),
+                                   c_tok=rng.choice([None, 0.0, rng.uniform(0, 0.05)]))
+        slow = rng.uniform(0.3, 2.0)   # the run against the model: faster or slower
+        records = random_records(rng, k, b, lambda d: slow * model(b, d + 1))
+        cell = {"task": "chat", "batch_size": b, "temperature": 0.0, "k": k,
+                "records": records, "wall_seconds": 1.0,
+                "speedup": rng.uniform(0.2, 5.0)}
+        for method in ("ngram", "draft_model"):
+            a = analysis.analyse_cell(cell, model, method)
+            if a["predicted_speedup"] is None:
+                continue
+            assert a["oracle_speedup"] >= a["no_waste_speedup"] >= a["predicted_speedup"], trial
+            checked += 1
+            assert a["measured_above_oracle"] == (cell["speedup"] > a["oracle_speedup"])
+            if a["measured_above_oracle"]:
+                assert "above the oracle bound" in a["efficiency_note"]
+            lo, hi = analysis.EFFICIENCY_RANGE
+            if not lo <= a["engine_efficiency"] <= hi:
+                assert a["efficiency_note"], (trial, a["engine_efficiency"])
+    assert checked > 400
+    # reference-engine traces too
+    prefill = {"drafting": 0.0, "verification": 0.020, "sampling": 0.0, "other": 0.001}
+    for trial in range(100):
+        step = {"drafting": rng.uniform(0, 0.01), "verification": rng.uniform(0.005, 0.03),
+                "sampling": 0.001, "other": 0.001}
+        seqs = {}
+        for i in range(rng.randint(1, 3)):
+            steps = [(0, 0, 1)]
+            for _ in range(rng.randint(1, 6)):
+                d = rng.randint(0, 3)
+                a = rng.randint(0, d)
+                steps.append((d, a, a + 1))
+            seqs[f"p{i}"] = steps
+        times = [prefill] + [step] * max(len(v) for v in seqs.values())
+        cell = {"task": "chat", "batch_size": len(seqs), "temperature": 0.0, "k": 3,
+                "records": trace_records(times, seqs), "wall_seconds": 1.0, "speedup": 1.5}
+        model = rng.choice([analysis.CostModel(C0, C1), analysis.CostModel(C0, 0.0),
+                            analysis.CostModel(C0, C1, c_tok=0.01)])
+        a = analysis.analyse_cell(cell, model, "draft_model")
+        assert a["oracle_speedup"] >= a["no_waste_speedup"] >= a["predicted_speedup"], trial
+
+
+def test_a_measured_speedup_above_the_oracle_is_flagged_with_a_note():
+    base = ngram_baseline()
+    fast = ngram_cells()
+    for c in fast:   # the drafter's requests ran in a fifth of the time the model says
+        for r in c["records"]:
+            r["latency"] = r["ttft"] + (r["latency"] - r["ttft"]) * 0.2
+    cells = [make_cell(c["task"], c["batch_size"], c["k"], c["records"], True) for c in fast]
+    rows = analysis.analyse_run(with_speedup(cells, base), base, "ngram")
+    for a in rows:
+        assert a["measured_speedup"] > a["oracle_speedup"] and a["measured_above_oracle"]
+        assert a["verification_capped"]
+        assert "above the oracle bound" in a["efficiency_note"]
+        assert "exceed the cell's measured decode time" in a["efficiency_note"]
+
+
 def test_verification_above_the_measured_decode_time_is_capped_so_shares_still_add_up():
     base = baseline_cells(sizes=(1, 2))
     fast = drafter_cells(GOOD, 0.0, sizes=(1, 2))

@@ -462,9 +462,8 @@ def analyse_cell(cell: dict, model: CostModel | None, method: str | None = None,
         decode_time = sum(r.decode_time or 0.0 for r in reqs)
         prefill_seconds = sum(r.ttft or 0.0 for r in reqs)
         forward = sum(fwd_own(d, e) for r in reqs for d, e in r.step_list)
-        verification = forward
-        if verification > decode_time:
-            verification, out["verification_capped"] = decode_time, True
+        verification = min(forward, decode_time)     # rounding aside, flagged when capped
+        out["verification_capped"] = forward > decode_time * (1 + 1e-9)
         rest = decode_time - verification
         total_time = prefill_seconds + decode_time
         shares = {"prefill": _ratio(prefill_seconds, total_time),
