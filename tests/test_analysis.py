@@ -752,6 +752,77 @@ def test_the_analysis_is_cached_under_the_finished_runs_and_follows_a_new_run(
     cache.clear()
 
 
+def two_repetitions(records, differ_in):
+    """The records of a cell measured twice: repetition 0 as given, repetition 1 the same
+    but, where `differ_in` says, with a different last token. Repetition 1 is written
+    first, so neither the first nor the last record of a prompt is repetition 0."""
+    second = []
+    for r in records:
+        out = list(r["output_token_ids"])
+        if 1 in differ_in:
+            out[-1] += 1000
+        second.append({**r, "repetition": 1, "output_token_ids": out})
+    first = [{**r, "repetition": 0, "output_token_ids": list(r["output_token_ids"])
+              [:-1] + [r["output_token_ids"][-1] + (2000 if 0 in differ_in else 0)]}
+             for r in records]
+    return second + first + [dict(x) for x in second]
+
+
+def test_the_lossless_share_compares_repetition_zero_in_every_caller(media):
+    """metrics.lossless_outputs is the rule; records.outputs, the run service's
+    compare_with_baseline (through the records in storage) and the oracle combination's
+    reference all take repetition 0. Fails if a caller takes the first or last record."""
+    from leaderboard import pays, records
+    from leaderboard.models import Result
+    from leaderboard.services import runs
+    from worker.protocol import Cell
+
+    from . import factories as f
+
+    base_recs = baseline_cells(sizes=(2,))[0]["records"]
+    # the drafter's repetition 0 equals the baseline's; its repetition 1 does not
+    same0 = two_repetitions(drafter_cells(GOOD, 0.001, sizes=(2,))[0]["records"], {1})
+    # the drafter's repetition 0 differs; its repetition 1 equals the baseline's
+    diff0 = two_repetitions(drafter_cells(GOOD, 0.001, sizes=(2,))[0]["records"], {0})
+    assert metrics.lossless_outputs(same0) == {r["prompt_id"]: r["output_token_ids"]
+                                               for r in base_recs}
+    assert records.outputs(same0) == metrics.lossless_outputs(same0)
+    assert metrics.lossless_share(records.outputs(same0), records.outputs(base_recs)) == 1.0
+    assert metrics.lossless_share(records.outputs(diff0), records.outputs(base_recs)) == 0.0
+
+    target = f.make_target(slug="lossless-target")
+    protocol = f.make_protocol(target, slug="lossless", hardware="lossless-hw",
+                               tasks=("chat",), batch_sizes=(2,), ks=(K,))
+    base_run = f.make_run(protocol)
+    # the baseline was measured twice too; its repetition 1 differs from everything
+    base_two = two_repetitions(base_recs, {1})
+    cell = Cell("chat", 2, 0.0, 0)
+    records.write_cell(base_run.pk, cell, base_two)
+    base_cell = baseline_cells(sizes=(2,))[0]
+    figures = {k: v for k, v in base_cell.items()
+               if k not in ("task", "batch_size", "temperature", "k", "records")}
+    Result.objects.create(run=base_run, task="chat", batch_size=2, temperature=0.0, k=0,
+                          **figures)
+    for name, recs, expected in (("Same first", same0, 1.0), ("Differs first", diff0, 0.0),
+                                 ("Same first too", same0, 1.0)):
+        run = f.make_run(protocol, f.make_drafter(target, name, method="draft_model"))
+        dcell = Cell("chat", 2, 0.0, K)
+        records.write_cell(run.pk, dcell, recs)
+        run.artifact = records.write_artifact(run.pk, [recs])
+        run.save(update_fields=["artifact"])
+        result = Result.objects.create(run=run, task="chat", batch_size=2, temperature=0.0,
+                                       k=K, **figures)
+        assert runs.compare_with_baseline(result, records.RunRecords(run.pk).outputs(dcell))
+        result.refresh_from_db()
+        assert result.lossless_share == expected, name
+    # the oracle combination takes the baseline's repetition 0 as the reference: the two
+    # "Same first" drafters match it on p1 and p2 of their repetition 0 (the baseline's
+    # repetition 1 would match no request, and the combination would be empty)
+    data = pays.protocol_pays(protocol)
+    combine = {(c["task"], c["batch_size"]): c for c in data["combine"]}
+    assert combine[("chat", 2)]["requests"] == 2
+
+
 @pytest.mark.django_db(transaction=True)
 def test_the_pays_page_draws_its_charts_in_a_browser(live_server, pays_board, artifacts_dir,
                                                      monkeypatch):
