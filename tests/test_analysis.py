@@ -752,7 +752,7 @@ def test_the_analysis_is_cached_under_the_finished_runs_and_follows_a_new_run(
     cache.clear()
 
 
-def two_repetitions(records, differ_in):
+def two_repetitions(records, differ_in, offset=1000):
     """The records of a cell measured twice: repetition 0 as given, repetition 1 the same
     but, where `differ_in` says, with a different last token. Repetition 1 is written
     first, so neither the first nor the last record of a prompt is repetition 0."""
@@ -760,7 +760,7 @@ def two_repetitions(records, differ_in):
     for r in records:
         out = list(r["output_token_ids"])
         if 1 in differ_in:
-            out[-1] += 1000
+            out[-1] += offset
         second.append({**r, "repetition": 1, "output_token_ids": out})
     first = [{**r, "repetition": 0, "output_token_ids": list(r["output_token_ids"])
               [:-1] + [r["output_token_ids"][-1] + (2000 if 0 in differ_in else 0)]}
@@ -795,7 +795,7 @@ def test_the_lossless_share_compares_repetition_zero_in_every_caller(media):
                                tasks=("chat",), batch_sizes=(2,), ks=(K,))
     base_run = f.make_run(protocol)
     # the baseline was measured twice too; its repetition 1 differs from everything
-    base_two = two_repetitions(base_recs, {1})
+    base_two = two_repetitions(base_recs, {1}, offset=3000)
     cell = Cell("chat", 2, 0.0, 0)
     records.write_cell(base_run.pk, cell, base_two)
     base_cell = baseline_cells(sizes=(2,))[0]
