@@ -36,18 +36,21 @@ t_fwd(b, q) = c0 + c1 * b + c_tok * b * (q - 1). Per (task, temperature), not po
   prefill of the prompt per step, nothing queued before it), by least squares. Without two
   distinct prompt lengths, or with a slope <= 0, c_tok = c1 (the model is then
   t_fwd(b * q)).
-A drafter cell (b, k) then costs t_verify = t_fwd(b, k + 1) per decode step for verification,
-and t_fwd(b) = t_fwd(b, 1) is a plain decode step. (A line in b * q alone, fitted on decode
-steps, charges each drafted token what a whole sequence costs in a decode step: on the CPU,
-where a decode step's cost grows with the sequences in it far more than with their
-tokens, that overstated verification several-fold.)
+A decode step of a drafter cell (b, k) costs what it ran: t_fwd(b, d + 1) for a step that
+drafted d tokens (vLLM's per_step_drafted; a step cut at EOS or max_tokens was verified in
+full, so it is charged its d + 1 tokens although it emitted fewer), and t_fwd(b) = t_fwd(b, 1),
+a one-token forward, the baseline's decode step, for a step that drafted nothing (n-gram
+without a match). c_tok is used at most t_fwd(b) / b: q tokens of one sequence never cost more
+than q sequences of one token, so a step's fixed part is never negative. (Charging every
+decode step a (k+1)-token verification overstated n-gram's verification wherever it did not
+find a match.)
 
 Time breakdown. vLLM cells: over the cell's requests, *prefill and waiting* = sum of TTFT,
-*verification* = sum over requests of decode steps x t_fwd(b, k+1), and *drafting,
+*verification* = the target's forwards of every decode step as above, and *drafting,
 rejection sampling and other* = the rest of the measured decode time (sum of latency - TTFT);
 vLLM cannot separate drafting from rejection sampling and scheduling overhead, so they are
 one share (for n-gram, whose proposer is a CPU lookup, it is engine overhead rather than
-drafting). If the model's verification exceeds the measured decode time it is capped there
+drafting). If the modelled forwards exceed the measured decode time they are capped there
 (flag ``verification_capped``). Shares are of the summed request time, and the seconds shown
 are those shares of the cell's wall time, so they add up to it. Reference-engine cells: the
 measured phases of the traces (drafting, verification, sampling = rejection sampling, other),
@@ -57,16 +60,31 @@ Draft cost per step. t_draft is, on the reference engine, the measured drafting 
 step; vLLM, the measured remainder (drafting, rejection sampling, other) per decode step for
 weighted drafters (an upper bound of the drafting cost), and 0 for n-gram (no forward pass).
 
-Predicted speedup and engine efficiency. Predicted speedup = tokens per step x t_fwd(b) / (t_draft + t_verify), t_verify =
-t_fwd(b, k+1) (vLLM) or the measured verification time per batch step (reference engine).
-Engine efficiency = measured speedup / predicted speedup.
+Predicted speedup. Every bound is a ratio of summed request times: the baseline's,
+P + m x t_fwd(b) for m decode tokens, over the drafter's, P + the cost of its decode steps,
+where P is the cell's measured prefill and waiting (sum of TTFT), the same on both sides.
+Predicted: the drafter's own steps, each at what it verified plus t_draft. Without prefill
+it is tokens per step x t_fwd(b) / (t_draft + mean forward per step): tokens per step (decode
+tokens / decode steps, steps that drafted nothing included) drives it, not AL. Reference
+engine: each step at the measured verification per batch step plus t_draft.
+
+No-waste speedup. The drafter's own steps, each verifying only the tokens it emitted
+(t_fwd(b, emitted)), with its draft cost. At least the predicted speedup: a step emits at
+most what it verified.
 
 Oracle speedup. Every decode step proposes exactly the tokens the target goes on to emit, up
-to k, all accepted, at no draft cost, so a request with m decode tokens takes ceil(m / (k+1))
-steps; speedup = sum m x t_fwd(b) / (sum ceil(m / (k+1)) x t_verify), the baseline time
-predicted by the same model. It is at least the predicted speedup, because no request needs
-more oracle steps than the steps it took. *No-waste* variant: the drafter's own steps, each
-verifying only the accepted tokens + 1 (t_fwd(b, tokens per step)), with its draft cost.
+to k, all accepted, at no draft cost: a request with m decode tokens takes ceil(m / (k+1))
+steps of k + 1 tokens, the last one with the rest, each verifying what it emits. At least the
+no-waste speedup: the same tokens in no more steps, a step's fixed part >= 0 and no draft
+cost. So oracle >= no-waste >= predicted, by construction (reference engine: a step of q
+tokens costs the measured verification scaled by t_fwd(b, q) / t_fwd(b, k + 1)).
+
+Engine efficiency. Measured speedup / predicted speedup. Within 0.8-1.25 the model accounts
+for the cell; outside it, or when the measured speedup is above the oracle
+(``measured_above_oracle``: the model charges more than the forwards took, e.g. a baseline
+measured apart or with drift), ``efficiency_note`` says what the model misses (for n-gram,
+the engine overhead per step that the prediction does not charge; for others, time outside
+the decode steps).
 
 Oracle combine. At temperature 0, for drafters of one protocol and k on the same requests
 (outputs equal to the baseline's or, without it, to each other): walking an output from the first
