@@ -20,7 +20,7 @@ from .selectors.shapes import aggregate_cells, protocol_summary
 
 
 log = logging.getLogger(__name__)
-ANALYSIS_VERSION = 2
+ANALYSIS_VERSION = 3   # 3: steps that drafted nothing cost a one-token forward
 ANALYSIS_CACHE_SECONDS = 7 * 24 * 3600
 
 
