@@ -11,7 +11,7 @@ from collections import defaultdict
 from django.conf import settings
 from django.core.cache import cache
 
-from worker import analysis
+from worker import analysis, metrics
 
 from . import records
 from .models import Protocol, Result, Run
@@ -20,7 +20,7 @@ from .selectors.shapes import aggregate_cells, protocol_summary
 
 
 log = logging.getLogger(__name__)
-ANALYSIS_VERSION = 2
+ANALYSIS_VERSION = 3   # 3: steps that drafted nothing cost a one-token forward
 ANALYSIS_CACHE_SECONDS = 7 * 24 * 3600
 
 
@@ -95,14 +95,14 @@ def _mean(values):
 
 def _pooled(rows: list[dict]) -> dict:
     """Measured-cost pooling of analysed cells (one drafter, k, temperature and batch size,
-    several tasks): predicted and oracle speedups as ratios of summed predicted times."""
-    ok = [r for r in rows if r.get("predicted_speedup") and r.get("t_fwd_b")]
+    several tasks): predicted and oracle speedups as ratios of summed predicted times (the
+    sums keep the order oracle >= predicted of every cell)."""
+    ok = [r for r in rows if r.get("predicted_time") and r.get("oracle_time")]
     if not ok:
         return {"predicted_speedup": None, "oracle_speedup": None, "shares": None}
-    base_time = sum(r["tokens"] * r["t_fwd_b"] for r in ok)
-    pred_time = sum(r["tokens"] * r["t_fwd_b"] / r["predicted_speedup"] for r in ok)
-    oracle_time = sum(r["tokens"] * r["t_fwd_b"] / r["oracle_speedup"] for r in ok
-                      if r.get("oracle_speedup"))
+    base_time = sum(r["baseline_time"] for r in ok)
+    pred_time = sum(r["predicted_time"] for r in ok)
+    oracle_time = sum(r["oracle_time"] for r in ok)
     walls = [r for r in rows if r.get("breakdown") and r.get("wall_seconds")]
     shares = None
     if walls:
@@ -168,9 +168,8 @@ def _protocol_pays(protocol, temperature, tasks, batch_sizes, ks, drafter_runs, 
                 for c in cells_r:
                     combine_inputs[(c["task"], c["batch_size"], c["k"])][d["slug"]] = c["records"]
                 for c in base_r:
-                    base_outputs.setdefault((c["task"], c["batch_size"]), {
-                        rec["prompt_id"]: rec["output_token_ids"] for rec in c["records"]
-                        if rec.get("repetition", 0) == 0})
+                    base_outputs.setdefault((c["task"], c["batch_size"]),
+                                            metrics.lossless_outputs(c["records"]))
         else:
             rows = [None] * len(cells)
         drafters.append({"drafter": d, "run_id": r["id"], "has_records": has_records,

@@ -17,6 +17,7 @@ import logging
 from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 
+from worker import metrics
 from worker.protocol import Cell
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,9 @@ def read_cell(run_id: int, cell) -> list[dict]:
 
 
 def outputs(records) -> dict:
-    """{prompt id: output token ids} of a cell's records (the lossless check compares these)."""
-    return {r["prompt_id"]: r["output_token_ids"] for r in records}
+    """{prompt id: output token ids} of a cell's records, the repetition the lossless check
+    compares (worker.metrics.lossless_outputs: the one rule)."""
+    return metrics.lossless_outputs(records)
 
 
 class RunRecords:

@@ -36,18 +36,21 @@ t_fwd(b, q) = c0 + c1 * b + c_tok * b * (q - 1). Per (task, temperature), not po
   prefill of the prompt per step, nothing queued before it), by least squares. Without two
   distinct prompt lengths, or with a slope <= 0, c_tok = c1 (the model is then
   t_fwd(b * q)).
-A drafter cell (b, k) then costs t_verify = t_fwd(b, k + 1) per decode step for verification,
-and t_fwd(b) = t_fwd(b, 1) is a plain decode step. (A line in b * q alone, fitted on decode
-steps, charges each drafted token what a whole sequence costs in a decode step: on the CPU,
-where a decode step's cost grows with the sequences in it far more than with their
-tokens, that overstated verification several-fold.)
+A decode step of a drafter cell (b, k) costs what it ran: t_fwd(b, d + 1) for a step that
+drafted d tokens (vLLM's per_step_drafted; a step cut at EOS or max_tokens was verified in
+full, so it is charged its d + 1 tokens although it emitted fewer), and t_fwd(b) = t_fwd(b, 1),
+a one-token forward, the baseline's decode step, for a step that drafted nothing (n-gram
+without a match). c_tok is used at most t_fwd(b) / b: q tokens of one sequence never cost more
+than q sequences of one token, so a step's fixed part is never negative. (Charging every
+decode step a (k+1)-token verification overstated n-gram's verification wherever it did not
+find a match.)
 
 Time breakdown. vLLM cells: over the cell's requests, *prefill and waiting* = sum of TTFT,
-*verification* = sum over requests of decode steps x t_fwd(b, k+1), and *drafting,
+*verification* = the target's forwards of every decode step as above, and *drafting,
 rejection sampling and other* = the rest of the measured decode time (sum of latency - TTFT);
 vLLM cannot separate drafting from rejection sampling and scheduling overhead, so they are
 one share (for n-gram, whose proposer is a CPU lookup, it is engine overhead rather than
-drafting). If the model's verification exceeds the measured decode time it is capped there
+drafting). If the modelled forwards exceed the measured decode time they are capped there
 (flag ``verification_capped``). Shares are of the summed request time, and the seconds shown
 are those shares of the cell's wall time, so they add up to it. Reference-engine cells: the
 measured phases of the traces (drafting, verification, sampling = rejection sampling, other),
@@ -57,16 +60,31 @@ Draft cost per step. t_draft is, on the reference engine, the measured drafting 
 step; vLLM, the measured remainder (drafting, rejection sampling, other) per decode step for
 weighted drafters (an upper bound of the drafting cost), and 0 for n-gram (no forward pass).
 
-Predicted speedup and engine efficiency. Predicted speedup = tokens per step x t_fwd(b) / (t_draft + t_verify), t_verify =
-t_fwd(b, k+1) (vLLM) or the measured verification time per batch step (reference engine).
-Engine efficiency = measured speedup / predicted speedup.
+Predicted speedup. Every bound is a ratio of summed request times: the baseline's,
+P + m x t_fwd(b) for m decode tokens, over the drafter's, P + the cost of its decode steps,
+where P is the cell's measured prefill and waiting (sum of TTFT), the same on both sides.
+Predicted: the drafter's own steps, each at what it verified plus t_draft. Without prefill
+it is tokens per step x t_fwd(b) / (t_draft + mean forward per step): tokens per step (decode
+tokens / decode steps, steps that drafted nothing included) drives it, not AL. Reference
+engine: each step at the measured verification per batch step plus t_draft.
+
+No-waste speedup. The drafter's own steps, each verifying only the tokens it emitted
+(t_fwd(b, emitted)), with its draft cost. At least the predicted speedup: a step emits at
+most what it verified.
 
 Oracle speedup. Every decode step proposes exactly the tokens the target goes on to emit, up
-to k, all accepted, at no draft cost, so a request with m decode tokens takes ceil(m / (k+1))
-steps; speedup = sum m x t_fwd(b) / (sum ceil(m / (k+1)) x t_verify), the baseline time
-predicted by the same model. It is at least the predicted speedup, because no request needs
-more oracle steps than the steps it took. *No-waste* variant: the drafter's own steps, each
-verifying only the accepted tokens + 1 (t_fwd(b, tokens per step)), with its draft cost.
+to k, all accepted, at no draft cost: a request with m decode tokens takes ceil(m / (k+1))
+steps of k + 1 tokens, the last one with the rest, each verifying what it emits. At least the
+no-waste speedup: the same tokens in no more steps, a step's fixed part >= 0 and no draft
+cost. So oracle >= no-waste >= predicted, by construction (reference engine: a step of q
+tokens costs the measured verification scaled by t_fwd(b, q) / t_fwd(b, k + 1)).
+
+Engine efficiency. Measured speedup / predicted speedup. Within 0.8-1.25 the model accounts
+for the cell; outside it, or when the measured speedup is above the oracle
+(``measured_above_oracle``: the model charges more than the forwards took, e.g. a baseline
+measured apart or with drift), ``efficiency_note`` says what the model misses (for n-gram,
+the engine overhead per step that the prediction does not charge; for others, time outside
+the decode steps).
 
 Oracle combine. At temperature 0, for drafters of one protocol and k on the same requests
 (outputs equal to the baseline's or, without it, to each other): walking an output from the first
@@ -130,8 +148,15 @@ class CostModel:
     def per_token(self) -> float:
         return self.c1 if self.c_tok is None else self.c_tok
 
+    def token_cost(self, b) -> float:
+        """c_tok at batch size b, at most t_fwd(b, 1) / b: q tokens of one sequence never
+        cost more than q sequences of one token, so a step's fixed part is never negative."""
+        if b <= 0:
+            return self.per_token
+        return max(min(self.per_token, (self.c0 + self.c1 * b) / b), 0.0)
+
     def __call__(self, b, q=1) -> float:
-        return self.c0 + self.c1 * b + self.per_token * b * (q - 1)
+        return self.c0 + self.c1 * b + self.token_cost(b) * b * (q - 1)
 
     def to_dict(self):
         return {"c0": self.c0, "c1": self.c1, "c_tok": self.per_token, "kind": self.kind,
@@ -214,8 +239,11 @@ def fit_cost_models(baseline_cells) -> dict[tuple, CostModel]:
 @dataclass
 class RequestSteps:
     """The decode structure of one request: decode tokens, verification and
-    non-speculative steps, and the accepted spans (start position, accepted tokens) of its
-    verification steps, in output positions (the prefill's token is position 0)."""
+    non-speculative steps, the accepted spans (start position, accepted tokens) of its
+    verification steps, in output positions (the prefill's token is position 0), and every
+    decode step as (tokens drafted, tokens emitted): (0, 1) for a step that drafted nothing;
+    a step cut at EOS / max_tokens keeps what it drafted (it was verified in full) and
+    emits what the output kept."""
 
     key: tuple
     output: list
@@ -225,6 +253,7 @@ class RequestSteps:
     decode_time: float | None
     ttft: float | None
     aligned: bool = True
+    step_list: list = dataclasses.field(default_factory=list)   # [(drafted, emitted)]
 
     @property
     def tokens(self) -> int:
@@ -234,45 +263,64 @@ class RequestSteps:
     def steps(self) -> int:
         return len(self.spans) + self.non_spec
 
+    @property
+    def drafted(self) -> int:
+        return sum(d for d, _ in self.step_list)
 
-def _vllm_steps(r) -> RequestSteps:
+
+def _vllm_steps(r, k: int | None = None) -> RequestSteps:
     out = list(r.get("output_token_ids") or [])
     spec = r.get("vllm_spec_decode") or {}
     accepted = list(spec.get("per_step_accepted") or [])
+    drafted_list = list(spec.get("per_step_drafted") or [])
+    k = k if k is not None else r.get("k")
+
+    def drafted(j):   # what verification step j drafted (k when the record lacks it)
+        if j < len(drafted_list):
+            return drafted_list[j]
+        return max(k or 0, accepted[j])
+
     step_tokens = list(r.get("step_tokens") or [])
     key = (r.get("prompt_id"), r.get("repetition", 0))
     decode_time = (r["latency"] - r["ttft"]) if r.get("ttft") is not None else None
-    spans, non_spec, aligned = [], 0, True
+    spans, non_spec, aligned, step_list = [], 0, True, []
     if step_tokens and sum(step_tokens) == len(out):
         pos, j = step_tokens[0], 0
         last = len(step_tokens) - 1
         for i, v in enumerate(step_tokens[1:], start=1):
             if j < len(accepted) and v == accepted[j] + 1:
                 spans.append((pos, accepted[j]))
+                step_list.append((drafted(j), v))
                 j += 1
             elif j < len(accepted) and i == last and v <= accepted[j]:
                 spans.append((pos, v))   # cut at the end: every kept token was accepted
+                step_list.append((drafted(j), v))   # verified in full all the same
                 j += 1
             elif v == 1:
                 non_spec += 1
+                step_list.append((0, 1))
             else:
                 aligned = False
                 spans.append((pos, v - 1))
+                step_list.append((v - 1, v))
             pos += v
         aligned = aligned and j == len(accepted)
         return RequestSteps(key, out, step_tokens[0], spans, non_spec, decode_time,
-                            r.get("ttft"), aligned)
+                            r.get("ttft"), aligned, step_list)
     # no usable step record: verification steps in order, then one token per step
     pos = 1 if out else 0
-    for a in accepted:
+    for j, a in enumerate(accepted):
         if pos >= len(out):
             break
         kept = min(a, len(out) - pos)
+        emitted = min(a + 1, len(out) - pos)
         spans.append((pos, kept))
-        pos += min(a + 1, len(out) - pos)
+        step_list.append((drafted(j), emitted))
+        pos += emitted
     non_spec = max(len(out) - pos, 0)
+    step_list += [(0, 1)] * non_spec
     return RequestSteps(key, out, 1 if out else 0, spans, non_spec, decode_time,
-                        r.get("ttft"), not accepted or not step_tokens)
+                        r.get("ttft"), not accepted or not step_tokens, step_list)
 
 
 def _trace_steps(r) -> RequestSteps:
@@ -280,25 +328,28 @@ def _trace_steps(r) -> RequestSteps:
     out = list(r.get("output_token_ids") or r.get("output_ids") or
                [t for s in steps for t in s["emitted"]])
     first = len(steps[0]["emitted"]) if steps and steps[0]["step"] == 0 else 0
-    pos, spans, non_spec = first, [], 0
+    pos, spans, non_spec, step_list = first, [], 0, []
     for s in steps:
         if s["step"] == 0:
             continue
         n = len(s["emitted"])
         if s["drafted"]:
             spans.append((pos, min(s["accepted"], n)))
+            step_list.append((len(s["drafted"]), n))
         else:
             non_spec += 1
+            step_list.append((0, n))
         pos += n
     decode_time = (r["latency"] - r["ttft"]) if r.get("latency") is not None \
         and r.get("ttft") is not None else None
     return RequestSteps((r.get("prompt_id"), r.get("repetition", 0)), out, first, spans,
-                        non_spec, decode_time, r.get("ttft"))
+                        non_spec, decode_time, r.get("ttft"), True, step_list)
 
 
-def request_steps(record) -> RequestSteps:
-    """The decode structure of one per-request record (vLLM or reference traces)."""
-    return _trace_steps(record) if record.get("steps") else _vllm_steps(record)
+def request_steps(record, k: int | None = None) -> RequestSteps:
+    """The decode structure of one per-request record (vLLM or reference traces); k is what
+    a verification step drafted when the record does not say (default: the record's k)."""
+    return _trace_steps(record) if record.get("steps") else _vllm_steps(record, k)
 
 
 def accepted_from(rs: RequestSteps) -> list[int]:
@@ -309,6 +360,13 @@ def accepted_from(rs: RequestSteps) -> list[int]:
         for p in range(start, min(start + a, len(acc))):
             acc[p] = a - (p - start)
     return acc
+
+
+def oracle_step_sizes(tokens: int, k: int) -> list[int]:
+    """The tokens each oracle step emits for a request of `tokens` decode tokens: k + 1 a
+    step (k proposed, all accepted, plus the target's token), the rest in the last step."""
+    full, rest = divmod(tokens, k + 1)
+    return [k + 1] * full + ([rest] if rest else [])
 
 
 # ----------------------------------------------------------------------------- one cell
@@ -332,27 +390,44 @@ def _ratio(a, b):
     return a / b if a is not None and b else None
 
 
+# Engine efficiency outside this range gets a note that says what the model misses.
+EFFICIENCY_RANGE = (0.8, 1.25)
+
+
+def _cell_tokens_per_step(cell):
+    """Tokens per step from the cell's stored figures (runs measured before the records
+    carried it have none)."""
+    if cell.get("tokens_per_step") is not None:
+        return cell["tokens_per_step"]
+    return _ratio(cell.get("decode_tokens"), cell.get("decode_steps"))
+
+
 def analyse_cell(cell: dict, model: CostModel | None, method: str | None = None,
                  baseline_throughput: float | None = None) -> dict:
     """The time breakdown and the bounds of one drafter cell with records.
 
     Returns {"source": "vllm cost model" | "reference traces", "breakdown": {phase: seconds},
     "shares": {phase: share}, "wall_seconds", "tokens", "steps", "verify_steps",
-    "tokens_per_step", "t_fwd_b", "t_verify", "t_draft", "draft_cost_relative",
-    "measured_speedup", "predicted_speedup", "engine_efficiency", "oracle_speedup",
-    "oracle_tokens_per_step", "no_waste_speedup", "verification_capped", "aligned"}."""
+    "drafted_tokens", "tokens_per_step", "t_fwd_b", "t_verify", "t_forward", "t_draft",
+    "t_overhead", "draft_cost_relative", "prefill_seconds", "baseline_time",
+    "predicted_time", "no_waste_time", "oracle_time", "measured_speedup",
+    "predicted_speedup", "engine_efficiency", "efficiency_note", "oracle_speedup",
+    "oracle_tokens_per_step", "no_waste_speedup", "measured_above_oracle",
+    "verification_capped", "wall_vs_requests", "aligned"} (see the module docstring)."""
     records = cell.get("records") or []
     b, k = cell["batch_size"], cell["k"]
-    reqs = [request_steps(r) for r in records]
+    reqs = [request_steps(r, k) for r in records]
     tokens = sum(r.tokens for r in reqs)
     steps = sum(r.steps for r in reqs)
     verify_steps = sum(len(r.spans) for r in reqs)
     traces = bool(records) and all(r.get("steps") for r in records)
     out = {"task": cell["task"], "batch_size": b, "temperature": float(cell["temperature"]),
            "k": k, "requests": len(reqs), "tokens": tokens, "steps": steps,
-           "verify_steps": verify_steps, "tokens_per_step": _ratio(tokens, steps),
+           "verify_steps": verify_steps, "drafted_tokens": sum(r.drafted for r in reqs),
+           "tokens_per_step": _ratio(tokens, steps) if reqs else _cell_tokens_per_step(cell),
            "acceptance_length": cell.get("acceptance_length"),
            "aligned": all(r.aligned for r in reqs), "verification_capped": False,
+           "measured_above_oracle": False, "efficiency_note": None,
            "cost_model": model.to_dict() if model else None}
     wall = cell.get("wall_seconds")
     t1 = model(b) if model else None
@@ -360,6 +435,8 @@ def analyse_cell(cell: dict, model: CostModel | None, method: str | None = None,
     if measured is None and baseline_throughput:
         measured = metrics.speedup(cell.get("output_throughput"), baseline_throughput)
     out["measured_speedup"] = measured
+    request_time = sum((r.ttft or 0.0) + (r.decode_time or 0.0) for r in reqs)
+    out["wall_vs_requests"] = _ratio(wall * b, request_time) if wall else None
     if traces:
         ph = _phase_breakdown_from_traces(records)
         breakdown = dict(ph["totals"])
@@ -370,51 +447,136 @@ def analyse_cell(cell: dict, model: CostModel | None, method: str | None = None,
         t_draft = decode["drafting"] / n_steps
         out.update(source="reference traces", wall_seconds=total, breakdown=breakdown,
                    shares={p: _ratio(v, total) for p, v in breakdown.items()},
-                   t_verify=t_verify, t_draft=t_draft, t_overhead=(decode["sampling"]
-                                                                  + decode["other"]) / n_steps)
+                   t_verify=t_verify, t_forward=t_verify, t_draft=t_draft,
+                   t_overhead=(decode["sampling"] + decode["other"]) / n_steps)
+        # a step's forward as measured; a step of q tokens scaled by the cost model's shape
+        # (or in proportion to q without one), so that q = k + 1 costs the measured step
+
+        def shape(q):
+            return model(b, q) if model else float(q)
+
+        def fwd_own(d, e):
+            return t_verify
+
+        def fwd(q):
+            return t_verify * shape(q) / shape(k + 1) if shape(k + 1) else 0.0
+        prefill_seconds = sum(r.ttft or 0.0 for r in reqs)
     else:
         if not reqs or model is None:
             out.update(source="vllm cost model", breakdown=None, shares=None,
-                       wall_seconds=wall, t_verify=None, t_draft=None, t_overhead=None,
-                       t_fwd_b=t1, predicted_speedup=None, engine_efficiency=None,
-                       oracle_speedup=None, oracle_tokens_per_step=None,
-                       no_waste_speedup=None, draft_cost_relative=None)
+                       wall_seconds=wall, t_verify=None, t_forward=None, t_draft=None,
+                       t_overhead=None, t_fwd_b=t1, predicted_speedup=None,
+                       engine_efficiency=None, oracle_speedup=None,
+                       oracle_tokens_per_step=None, no_waste_speedup=None,
+                       draft_cost_relative=None, prefill_seconds=None, baseline_time=None,
+                       predicted_time=None, no_waste_time=None, oracle_time=None)
             return out
-        t_verify = model(b, k + 1)
+
+        def fwd(q):
+            return model(b, q)
+
+        def fwd_own(d, e):   # what the step verified: d + 1 tokens, 1 when it drafted nothing
+            return model(b, d + 1)
         decode_time = sum(r.decode_time or 0.0 for r in reqs)
-        prefill = sum(r.ttft or 0.0 for r in reqs)
-        verification = steps * t_verify
-        if verification > decode_time:
-            verification, out["verification_capped"] = decode_time, True
+        prefill_seconds = sum(r.ttft or 0.0 for r in reqs)
+        forward = sum(fwd_own(d, e) for r in reqs for d, e in r.step_list)
+        verification = min(forward, decode_time)     # rounding aside, flagged when capped
+        out["verification_capped"] = forward > decode_time * (1 + 1e-9)
         rest = decode_time - verification
-        request_time = prefill + decode_time
-        shares = {"prefill": _ratio(prefill, request_time),
-                  "verification": _ratio(verification, request_time),
-                  "drafting_other": _ratio(rest, request_time)}
+        total_time = prefill_seconds + decode_time
+        shares = {"prefill": _ratio(prefill_seconds, total_time),
+                  "verification": _ratio(verification, total_time),
+                  "drafting_other": _ratio(rest, total_time)}
         breakdown = {p: (s * wall if s is not None and wall else None) for p, s in shares.items()}
         overhead = rest / steps if steps else None
         t_draft = 0.0 if method in NO_DRAFT_COST_METHODS else overhead
         out.update(source="vllm cost model", wall_seconds=wall, breakdown=breakdown,
-                   shares=shares, t_verify=t_verify, t_draft=t_draft, t_overhead=overhead)
-    t_verify, t_draft = out["t_verify"], out["t_draft"]
+                   shares=shares, t_verify=model(b, k + 1), t_forward=_ratio(forward, steps),
+                   t_draft=t_draft, t_overhead=overhead,
+                   modelled_forward_seconds=forward, decode_seconds=decode_time)
+    t_draft = out["t_draft"] or 0.0
     out["t_fwd_b"] = t1
+    out["prefill_seconds"] = prefill_seconds
     # draft cost relative to a target forward (measured cost, n-gram included)
     cost = out["t_draft"] if traces else out["t_overhead"]
     out["draft_cost_relative"] = _ratio(cost, t1)
-    tps = out["tokens_per_step"]
     predicted = oracle = no_waste = oracle_tps = None
-    if t1 and tps and t_verify:
-        predicted = tps * t1 / ((t_draft or 0.0) + t_verify)
-        oracle_steps = sum(math.ceil(r.tokens / (k + 1)) for r in reqs if r.tokens)
-        if oracle_steps:
-            oracle_tps = tokens / oracle_steps
-            oracle = oracle_tps * t1 / t_verify
-        verify_nw = model(b, tps) if (model and not traces) else t_verify * tps / (k + 1)
-        no_waste = tps * t1 / ((t_draft or 0.0) + verify_nw)
+    base_time = pred_time = nw_time = or_time = None
+    if t1 and tokens and steps:
+        base_time = prefill_seconds + tokens * t1
+        pred_time = prefill_seconds + sum(t_draft + fwd_own(d, e)
+                                          for r in reqs for d, e in r.step_list)
+        nw_time = prefill_seconds + sum(t_draft + fwd(e) for r in reqs for d, e in r.step_list)
+        sizes = [q for r in reqs for q in oracle_step_sizes(r.tokens, k)]
+        or_time = prefill_seconds + sum(fwd(q) for q in sizes)
+        # the order holds by construction (a step emits at most what it verified, at most
+        # k + 1; a forward's fixed part is >= 0); min() only absorbs rounding
+        nw_time = min(nw_time, pred_time)
+        or_time = min(or_time, nw_time)
+        oracle_tps = _ratio(tokens, len(sizes))
+        predicted = _ratio(base_time, pred_time)
+        no_waste = _ratio(base_time, nw_time)
+        oracle = _ratio(base_time, or_time)
     out.update(predicted_speedup=predicted, oracle_speedup=oracle,
                oracle_tokens_per_step=oracle_tps, no_waste_speedup=no_waste,
-               engine_efficiency=_ratio(measured, predicted))
+               engine_efficiency=_ratio(measured, predicted), baseline_time=base_time,
+               predicted_time=pred_time, no_waste_time=nw_time, oracle_time=or_time)
+    out["measured_above_oracle"] = bool(measured is not None and oracle is not None
+                                        and measured > oracle)
+    out["efficiency_note"] = efficiency_note(out, method)
     return out
+
+
+def efficiency_note(a: dict, method: str | None = None) -> str | None:
+    """What the cost model misses in one analysed cell, in a sentence or two; None when the
+    engine efficiency is within EFFICIENCY_RANGE and no bound is beaten."""
+    eff, measured = a.get("engine_efficiency"), a.get("measured_speedup")
+    if eff is None:
+        return None
+    notes = []
+    if a.get("measured_above_oracle"):
+        notes.append(
+            f"The measured speedup ({measured:.2f}x) is above the oracle bound "
+            f"({a['oracle_speedup']:.2f}x), which no drafter can beat if the cost model is "
+            f"right: the model charges this cell's target forwards more than they took (its "
+            f"one-token step, {a['t_fwd_b'] * 1e3:.2f} ms at b={a['batch_size']}, is fitted "
+            f"on the baseline run's TPOT; a baseline measured apart, under other load or "
+            f"with drift, or a noisy cell, puts it off).")
+    if a.get("verification_capped"):
+        notes.append(
+            f"The modelled target forwards ({a['modelled_forward_seconds']:.3f} s) exceed the "
+            f"cell's measured decode time ({a['decode_seconds']:.3f} s): the baseline's step "
+            f"cost overstates this cell's, so the verification share is capped at the decode "
+            f"time.")
+    lo, hi = EFFICIENCY_RANGE
+    if eff > hi and not notes:
+        notes.append(
+            f"Measured {eff:.2f}x of the prediction: the cell ran faster than the cost model "
+            f"charges its forwards (fitted on the baseline run at this batch size); the "
+            f"model overstates a forward here.")
+    if eff < lo:
+        rest = (a.get("shares") or {}).get("drafting_other")
+        if a.get("source") == "vllm cost model" and not a.get("t_draft") \
+                and a.get("t_overhead"):
+            notes.append(
+                f"Measured {eff:.2f}x of the prediction: the prediction charges "
+                f"{method or 'this method'} no drafting cost (no draft forward), but "
+                f"{a['t_overhead'] * 1e3:.2f} ms per decode step "
+                f"({a['t_overhead'] / a['t_fwd_b']:.0%} of a one-token forward"
+                + (f", {rest:.0%} of the request time" if rest is not None else "")
+                + ") went outside the modelled target forwards: the proposer's lookup, "
+                "rejection sampling and the engine's scheduling of speculative steps.")
+        else:
+            wvr = a.get("wall_vs_requests")
+            extra = (f" The cell's wall time was {wvr:.2f}x its requests' time at "
+                     f"{a['batch_size']} in flight (fewer in flight than the batch size, or "
+                     f"gaps between requests)." if wvr and wvr > 1.05 else "")
+            notes.append(
+                f"Measured {eff:.2f}x of the prediction, which charges every decode step "
+                f"its target forward plus the measured drafting and other time; the "
+                f"rest of the gap is outside the decode steps (prefill, queueing, the "
+                f"client).{extra}")
+    return " ".join(notes) or None
 
 
 def analyse_run(cells: list[dict], baseline_cells: list[dict], method: str | None) -> list[dict]:

@@ -150,6 +150,19 @@ def lossless_share(outputs: dict, baseline_outputs: dict):
     return same / len(common)
 
 
+# The repetition whose outputs the lossless check compares, everywhere (the measurement's
+# CellResult.outputs, the records' outputs, the oracle combination's reference).
+LOSSLESS_REPETITION = 0
+
+
+def lossless_outputs(records) -> dict:
+    """{prompt id: output token ids} of a cell's per-request records, repetition
+    LOSSLESS_REPETITION only (a record without a repetition is the first): what
+    lossless_share compares, on both sides."""
+    return {r["prompt_id"]: r["output_token_ids"] for r in records
+            if r.get("repetition", 0) == LOSSLESS_REPETITION}
+
+
 def truncate_at_eos(token_ids, eos_ids):
     """Tokens after an end-of-sequence token are never counted (the EOS itself is kept)."""
     out = []
