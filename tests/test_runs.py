@@ -14,13 +14,13 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture
-def protocol(demo_target_dir, shared_data, settings, tmp_path):
+def protocol(demo_target_dir, prompt_files, settings, tmp_path):
     settings.MEDIA_ROOT = tmp_path / "media"
     settings.DATA_DIR = tmp_path / "data"
     target = Target.objects.create(slug="t", name="T", path=str(demo_target_dir),
                                    weights_sha256="0" * 64, vocab_size=49152, hidden_size=576,
                                    num_layers=30)
-    qa, _ = setup.import_prompt_set(shared_data / "eagle" / "qa.jsonl", "spec-bench", slug="qa")
+    qa, _ = setup.import_prompt_set(prompt_files / "mt_bench.jsonl", "mt-bench", slug="qa")
     spec = ProtocolSpec(slug="p", version=1, target="t", target_sha256="0" * 64, engine="vllm",
                         hardware="cpu", tasks=(TaskSpec("qa", "qa", qa.source_sha256, 1),),
                         batch_sizes=(1,), ks=(2,))

@@ -22,21 +22,24 @@ from worker.metrics import counts_from_steps, per_position_acceptance, truncate_
 from worker.prompts import file_sha256
 from worker.protocol import ProtocolSpec, TaskSpec
 
+# The module measures with the real vLLM engine (its fixtures start it).
+pytestmark = pytest.mark.vllm
+
 K = 3
-TASKS = {"gsm8k": "eagle/gsm8k.jsonl", "mt_bench": "eagle/mt_bench.jsonl"}
+TASKS = {"code": "humaneval.jsonl", "mt_bench": "mt_bench_spec.jsonl"}
 
 
 @pytest.fixture(scope="module")
-def protocol_file(tmp_path_factory, shared_data):
+def protocol_file(tmp_path_factory, prompt_files):
     spec = ProtocolSpec(
         slug="vllm-test", version=1, target="SmolLM2-135M-Instruct", target_sha256="",
         engine="vllm", hardware="cpu",
-        tasks=tuple(TaskSpec(task, f"eagle-{task}", file_sha256(shared_data / rel), 3)
+        tasks=tuple(TaskSpec(task, f"eagle-{task}", file_sha256(prompt_files / rel), 3)
                     for task, rel in TASKS.items()),
         temperatures=(0.0,), max_new_tokens=24, seed=0, batch_sizes=(1, 2), ks=(K,),
         warmup_requests=1, repetitions=1)
     data = spec.to_dict()
-    data["prompts"] = {task: {"path": str(shared_data / rel), "format": "spec-bench"}
+    data["prompts"] = {task: {"path": str(prompt_files / rel), "format": "spec-bench"}
                        for task, rel in TASKS.items()}
     path = tmp_path_factory.mktemp("protocol") / "protocol.json"
     path.write_text(json.dumps(data))
