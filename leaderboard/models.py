@@ -5,10 +5,12 @@ from __future__ import annotations
 import hashlib
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import models
 from django.utils import timezone
 
 from worker import methods
+from worker.prompts import select_task_prompts
 from worker.protocol import ProtocolSpec, canonical_json
 
 
@@ -97,8 +99,57 @@ class Protocol(models.Model):
     def has_results(self):
         return self.pk is not None and Result.objects.filter(run__protocol_id=self.pk).exists()
 
+    def prompts_of_task(self, task, prompts=None) -> list:
+        """The prompts a task of this protocol measures (worker.prompts.select_task_prompts
+        over the task's prompt set in file order: the run service and the protocol page
+        both call this). ValueError when the prompt set cannot give them."""
+        if prompts is None:
+            prompts = Prompt.objects.filter(prompt_set__slug=task.prompt_set)
+        return select_task_prompts(list(prompts.order_by("position")), task.categories,
+                                   task.prompts, task.selection)
+
+    def task_prompts(self) -> dict:
+        """{task: {"selection", "categories": {category: [prompt ids]}, "error"}} for every
+        task, categories in the order the task names them (an empty list when a named
+        category gives none); "error" says why a task's prompts cannot be chosen."""
+        out = {}
+        for task in self.spec_obj.tasks:
+            entry = {"selection": task.selection, "prompts": task.prompts,
+                     "categories": {c: [] for c in task.categories}, "error": ""}
+            try:
+                for p in self.prompts_of_task(task):
+                    entry["categories"].setdefault(p.category, []).append(p.external_id)
+            except ValueError as e:
+                entry["error"] = str(e)
+            out[task.task] = entry
+        return out
+
+    def check_prompts(self, spec: ProtocolSpec):
+        """Refuse a protocol whose imported prompt sets cannot fill its tasks (each task
+        needs its number of prompts, at least the largest batch size, from its categories).
+        Prompt sets not imported yet are checked when a run is built."""
+        problems = []
+        for task in spec.tasks:
+            prompts = Prompt.objects.filter(prompt_set__slug=task.prompt_set)
+            if not prompts.exists():
+                continue
+            try:
+                self.prompts_of_task(task, prompts)
+            except ValueError as e:
+                problems.append(f"task {task.task!r}: {e} (the largest batch size is "
+                                f"{max(spec.batch_sizes)})")
+        if problems:
+            raise ValueError("invalid protocol: " + "; ".join(problems))
+
+    def clean(self):
+        try:
+            self.check_prompts(ProtocolSpec.from_dict(self.spec))
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValidationError({"spec": str(e)}) from None
+
     def save(self, *args, **kwargs):
         spec = ProtocolSpec.from_dict(self.spec)  # validates
+        self.check_prompts(spec)
         self.spec = spec.to_dict()
         self.slug, self.version = spec.slug, spec.version
         self.engine, self.hardware = spec.engine, spec.hardware

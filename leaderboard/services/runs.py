@@ -137,7 +137,7 @@ def prompts_for(protocol: Protocol):
             raise RunError(f"task {task.task}: prompt set {task.prompt_set!r} was imported from "
                            "a different file than the protocol names (sha256 differs)")
         try:
-            chosen = protocol.task_prompts(task, qs)
+            chosen = protocol.prompts_of_task(task, qs)
         except ValueError as e:
             raise RunError(f"task {task.task}: {e}") from None
         out[task.task] = [PromptItem(id=p.external_id, turns=p.turns) for p in chosen]
