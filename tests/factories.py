@@ -62,7 +62,7 @@ def make_drafter(target, name, method="ngram", owner=None, **fields):
 
 
 def make_run(protocol, drafter=None, state=Run.SUCCEEDED, engine_version="0.0.test", **fields):
-    cells = len(protocol.spec_obj.cells(with_drafter=drafter is not None))
+    cells = len(protocol.spec_obj.run_cells(drafter.method if drafter else "baseline"))
     now = timezone.now()
     done = cells if state == Run.SUCCEEDED else fields.pop("cells_done", 0)
     return Run.objects.create(

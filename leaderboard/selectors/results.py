@@ -4,8 +4,8 @@ so a page and the export show the same fields under the same names."""
 from __future__ import annotations
 
 from django.db import connection
-from django.db.models import BooleanField, F, Func, TextField, Value
-from django.db.models.fields.json import KT, KeyTransform
+from django.db.models import BooleanField, Case, F, Func, TextField, Value, When
+from django.db.models.fields.json import KeyTransform
 from django.db.models.functions import Cast, Coalesce
 
 from worker.analysis import EXPORT_COLUMNS
@@ -72,7 +72,9 @@ def _result_values(qs, json_as_text: bool, time_as_text: bool = False):
         method=Coalesce(F("run__drafter__method"), Value(BASELINE_METHOD)),
         baseline_run_id=F("baseline_result__run_id"), run_drift=F("run__drift"),
         run_drift_flagged=F("run__drift_flagged"),
-        checks_ok=Cast(KT("checks__ok"), BooleanField()),
+        checks_ok=Case(When(checks__ok=True, then=Value(True)),
+                       When(checks__ok=False, then=Value(False)),
+                       default=Value(None), output_field=BooleanField()),
         checks_failed=KeyTransform("failed", "checks"),
     )
     if json_as_text:
