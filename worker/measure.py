@@ -238,8 +238,16 @@ def iter_cells(job: MeasureJob, log=print, host_lock_path=None) -> Iterator[Cell
     info = engine_info(job)
     yield {"type": "started", **info}
     groups = measurement_groups(job)
-    if not groups:
-        return
+    with contextlib.ExitStack() as lock:
+        if host_lock_path:
+            from worker.hostlock import HostLock
+
+            lock.enter_context(HostLock(host_lock_path, log=log))
+        if groups:
+            yield from _measure_groups(job, info, groups, log)
+
+
+def _measure_groups(job, info, groups, log):
 
     spec = job.spec
     tokenizer = load_tokenizer(job.target_path)
@@ -251,13 +259,8 @@ def iter_cells(job: MeasureJob, log=print, host_lock_path=None) -> Iterator[Cell
 
     loop = asyncio.new_event_loop()
     total, done, t_start = sum(len(g) for g in groups), 0, time.monotonic()
-    stack = contextlib.ExitStack()
     engines = None
     try:
-        if host_lock_path:
-            from worker.hostlock import HostLock
-
-            stack.enter_context(HostLock(host_lock_path))
         engines = _Engines(job, info, loop, warm_ids, log)
         for group in groups:
             alive = engines.need(sorted(_speculative_configs(job)) if is_paired(job)
@@ -289,7 +292,6 @@ def iter_cells(job: MeasureJob, log=print, host_lock_path=None) -> Iterator[Cell
     finally:
         if engines is not None:
             engines.shutdown()
-        stack.close()
         try:
             loop.run_until_complete(asyncio.sleep(0))
             pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
