@@ -177,16 +177,7 @@ def build_job(run: Run):
         raise RunError(f"target {target.slug}: checkpoint folder {target.path!r} is missing on "
                        f"this worker ({worker_host()}); run `manage.py setup_demo` here")
     return MeasureJob(spec=protocol.spec_obj, target_path=target.path, drafter=spec,
-                      prompts=prompts_for(protocol), skip=done, **host_lock_arg(MeasureJob))
-
-
-def host_lock_arg(job_class) -> dict:
-    """The host lock the measurement holds (settings.HOST_LOCK): a second measurement on
-    the same host waits, the demo yields. Passed as the job's ``host_lock_path`` (the child
-    process calls worker.measure.iter_cells with it)."""
-    import dataclasses
-    names = {f.name for f in dataclasses.fields(job_class)}
-    return {"host_lock_path": str(settings.HOST_LOCK)} if "host_lock_path" in names else {}
+                      prompts=prompts_for(protocol), skip=done)
 
 
 # ---- recording -----------------------------------------------------------------------
@@ -412,7 +403,10 @@ def execute_run(run_id: int, host: str | None = None, progress=None) -> str | No
 
     try:
         job = build_job(run)
-        outcome = run_job_in_child(job, log_path, on_event, should_stop)
+        # the child holds the host lock (settings.HOST_LOCK) while it measures: a second
+        # measurement on this host waits, the Gradio demo yields
+        outcome = run_job_in_child(job, log_path, on_event, should_stop,
+                                   host_lock_path=str(settings.HOST_LOCK))
     except SoftTimeLimitExceeded:
         minutes = round(settings.RUN_SOFT_LIMIT_S / 60)
         finish(run, Run.FAILED, f"timed out after {minutes} minutes", log_tail(log_path))
