@@ -298,3 +298,26 @@ def test_a_new_engine_version_gets_its_own_shared_baseline():
     assert queued.count() == 1
     runs.record_started(run, {"engine_version": "2.0"})  # not twice
     assert queued.count() == 1
+
+
+def test_the_worker_figures_are_result_columns():
+    from worker.cell import FIGURE_KEYS
+
+    columns = {f.name for f in Result._meta.get_fields()}
+    assert set(FIGURE_KEYS) <= columns
+    assert set(FIGURE_KEYS) <= set(Result.CELL_FIELDS)
+
+
+def test_the_demo_waits_for_the_host_lock_then_labels_contention(tmp_path):
+    from leaderboard import demo_engine
+    from worker.hostlock import HostLock
+
+    lock = tmp_path / "host.lock"
+    waited = []
+    assert demo_engine.host_contended(lock, 0.2, on_wait=lambda: waited.append(1)) is False
+    assert waited == []
+    with HostLock(lock, log=lambda m: None):
+        # held by an open file of this process: the probe opens its own, so it sees it held
+        assert demo_engine.host_contended(lock, 0.3, on_wait=lambda: waited.append(1)) is True
+    assert waited == [1]
+    assert demo_engine.host_contended(lock, 0.2) is False
