@@ -321,3 +321,22 @@ def test_the_demo_waits_for_the_host_lock_then_labels_contention(tmp_path):
         assert demo_engine.host_contended(lock, 0.3, on_wait=lambda: waited.append(1)) is True
     assert waited == [1]
     assert demo_engine.host_contended(lock, 0.2) is False
+
+
+def test_repin_speedups_moves_a_run_to_the_baseline_the_rule_picks_now():
+    from django.core.management import call_command
+
+    protocol = one_cell_protocol("shared")
+    base_cell, cell = Cell("chat", 1, 0.0, 0), Cell("chat", 1, 0.0, 2)
+    first = f.make_run(protocol)
+    runs.record_cell(first, cell_result(base_cell, 50.0))
+    run = f.make_run(protocol, f.make_drafter(protocol.target, "repinned"))
+    runs.record_cell(run, cell_result(cell, 80.0))
+    second = f.make_run(protocol, queued_at=timezone.now() + timedelta(hours=1))
+    runs.record_cell(second, cell_result(base_cell, 40.0))
+    assert Result.objects.get(run=run, k=2).speedup == pytest.approx(1.6)
+    out = io.StringIO()
+    call_command("repin_speedups", str(run.pk), stdout=out)
+    moved = Result.objects.get(run=run, k=2)
+    assert moved.speedup == pytest.approx(2.0) and moved.baseline_result.run_id == second.pk
+    assert "-> 2.0" in out.getvalue()
