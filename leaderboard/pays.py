@@ -219,10 +219,13 @@ def _protocol_pays(protocol, temperature, tasks, batch_sizes, ks, drafter_runs, 
                 "best_drafter_speedup": m.get("best_drafter_speedup", m["speedup"])})
         matrix_rows.append(row)
     combine, combine_models = [], {}
-    if baselines and combine_inputs:
-        base_id = next(iter(baselines.values()))["id"]
-        combine_models = analysis.fit_cost_models(
-            baseline_for_cost_model(base_id, by_run.get(base_id, [])))
+    # the cost model of the combination: the pinned baseline cells of the first drafter
+    # that has any (paired protocols have no separate baseline run)
+    base_cells = next((sorted(pinned[r["id"]].values(), key=speedups.cell_key)
+                       for r in drafter_runs if pinned.get(r["id"])), [])
+    if base_cells and combine_inputs:
+        base_id = base_cells[0]["run_id"]
+        combine_models = analysis.fit_cost_models(baseline_for_cost_model(base_id, base_cells))
     for (t, b, k), recs in sorted(combine_inputs.items()):
         model = combine_models.get((t, float(temperature)))
         try:
