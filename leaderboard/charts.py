@@ -8,6 +8,8 @@ import plotly.graph_objects as go
 
 from worker.analysis import speedup_by_batch
 
+from .selectors import speedups as pooled_speedups
+
 from .selectors.shapes import aggregate_cells
 
 PALETTE = ["#2563eb", "#d97706", "#059669", "#dc2626", "#7c3aed", "#0891b2", "#be185d",
@@ -57,10 +59,36 @@ def _batch_axis(batch_sizes):
     return dict(type="log", tickvals=list(batch_sizes), ticktext=[str(b) for b in batch_sizes])
 
 
-def _line(name, xs, ys, i, dash=None, group=None, width=2):
+def _line(name, xs, ys, i, dash=None, group=None, width=2, error=None):
     return go.Scatter(x=list(xs), y=list(ys), name=name, mode="lines+markers",
                       line=dict(color=_color(i), dash=dash, width=width),
-                      legendgroup=group or name, connectgaps=False)
+                      legendgroup=group or name, connectgaps=False, error_y=error)
+
+
+def _error_bars(rows, prefix):
+    """Plotly error_y (array above, arrayminus below) of 95% intervals; None when no row
+    has one (rows without an interval get 0)."""
+    ups, downs, any_ = [], [], False
+    for r in rows:
+        v, lo, hi = (r or {}).get(prefix), (r or {}).get(f"{prefix}_low"), (r or {}).get(f"{prefix}_high")
+        if v is None or lo is None or hi is None:
+            ups.append(0)
+            downs.append(0)
+        else:
+            any_ = True
+            ups.append(hi - v)
+            downs.append(v - lo)
+    return dict(type="data", symmetric=False, array=ups, arrayminus=downs,
+                visible=True) if any_ else None
+
+
+def _pooled_by(cells, base, key):
+    """{key value: speedups.pooled over those cells} against the pinned baseline cells."""
+    pinned = {pooled_speedups.cell_key(c): c for c in base}
+    groups = {}
+    for c in cells:
+        groups.setdefault(c[key], []).append(c)
+    return {v: pooled_speedups.pooled(cs, pinned) for v, cs in sorted(groups.items())}
 
 
 def _tasks(cells):
@@ -102,7 +130,8 @@ def drafter_charts(page: dict, k: int, temperature: float) -> dict[str, str]:
     traces = []
     for i, task in enumerate(tasks):
         rows = sorted((c for c in cells if c["task"] == task), key=lambda c: c["batch_size"])
-        traces.append(_line(task, [c["batch_size"] for c in rows], [c["speedup"] for c in rows], i))
+        traces.append(_line(task, [c["batch_size"] for c in rows], [c["speedup"] for c in rows], i,
+                            error=_error_bars(rows, "speedup")))
     overall = speedup_by_batch(cells, base)
     traces.append(_line(ALL_TASKS, list(overall), list(overall.values()), len(tasks), width=3,
                         dash="dot"))
@@ -201,16 +230,25 @@ def compare_charts(data: dict, temperature: float, k: int | None,
         cells = [c for c in cells_t if c["k"] == kk]
         name = f"{e['drafter']['name']} (k={kk})"
         sp = speedup_by_batch(cells, base)
-        sp_traces.append(_line(name, list(sp), list(sp.values()), i))
+        by_b = _pooled_by(cells, base, "batch_size")
+        sp_traces.append(_line(name, list(sp), list(sp.values()), i,
+                               error=_error_bars([by_b.get(b) for b in sp], "speedup")))
         per_task = aggregate_cells(cells, ("task",))
+        by_task = _pooled_by(cells, base, "task")
+        al_rows = [{**(by_task.get(t) or {}), "acceptance_length":
+                    per_task.get((t,), {}).get("acceptance_length")} for t in tasks]
         al_traces.append(go.Bar(name=name, x=tasks, marker_color=_color(i),
-                                y=[per_task.get((t,), {}).get("acceptance_length") for t in tasks]))
+                                y=[r["acceptance_length"] for r in al_rows],
+                                error_y=_error_bars(al_rows, "acceptance_length")))
         overall = aggregate_cells(cells, ()).get((), {})
         alphas = overall.get("per_position_acceptance") or []
         pos_traces.append(_line(name, list(range(1, len(alphas) + 1)), alphas, i))
         thr = aggregate_cells(cells, ("batch_size",))
+        thr_rows = [{**(by_b.get(b) or {}), "output_throughput": g["output_throughput"]}
+                    for (b,), g in thr.items()]
         thr_traces.append(_line(name, [b for (b,) in thr], [g["output_throughput"]
-                                                            for g in thr.values()], i))
+                                                            for g in thr.values()], i,
+                                error=_error_bars(thr_rows, "output_throughput")))
         if not base_done and base:
             bthr = aggregate_cells(base, ("batch_size",))
             thr_traces.append(_line("baseline (no drafter)", [b for (b,) in bthr],
@@ -221,6 +259,7 @@ def compare_charts(data: dict, temperature: float, k: int | None,
                         "acceptance_length": overall.get("acceptance_length"),
                         "acceptance_rate": overall.get("acceptance_rate"),
                         "lossless_share": overall.get("lossless_share"),
+                        "tokens_per_step": pooled_speedups.pooled(cells, None)["tokens_per_step"],
                         "speedup_by_batch": sp})
     scope = f"{task or 'all tasks'}, temperature {temperature:g}" + (
         f", k = {k}" if k is not None else ", each at its best k")

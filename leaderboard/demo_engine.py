@@ -349,3 +349,23 @@ def token_text(engine, token_id) -> str:
     """A vocabulary entry as text, for the step log (drafted tokens are not in the output)."""
     tok = engine.tokenizer
     return tok.decode([int(token_id)], skip_special_tokens=False) if tok is not None else str(token_id)
+
+
+# ---- sharing the host with measurements ---------------------------------------------------
+
+CONTENTION_NOTE = ("measured under contention: a leaderboard measurement was running on "
+                   "this host, so these timings are not comparable")
+
+
+def host_contended(lock_path, timeout_s: float, on_wait=None) -> bool:
+    """Wait up to ``timeout_s`` for the host lock (worker.hostlock: a measurement holds it)
+    to be free; ``on_wait()`` is called once if there is anything to wait for. True when a
+    measurement still holds it (the demo then generates anyway and labels its timings)."""
+    from worker import hostlock
+
+    if not hostlock.is_held(lock_path):
+        return False
+    if on_wait:
+        on_wait()
+    return not hostlock.wait_until_free(lock_path, timeout_s)
+

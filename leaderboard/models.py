@@ -5,10 +5,12 @@ from __future__ import annotations
 import hashlib
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import models
 from django.utils import timezone
 
 from worker import methods
+from worker.prompts import select_task_prompts
 from worker.protocol import ProtocolSpec, canonical_json
 
 
@@ -97,8 +99,57 @@ class Protocol(models.Model):
     def has_results(self):
         return self.pk is not None and Result.objects.filter(run__protocol_id=self.pk).exists()
 
+    def prompts_of_task(self, task, prompts=None) -> list:
+        """The prompts a task of this protocol measures (worker.prompts.select_task_prompts
+        over the task's prompt set in file order: the run service and the protocol page
+        both call this). ValueError when the prompt set cannot give them."""
+        if prompts is None:
+            prompts = Prompt.objects.filter(prompt_set__slug=task.prompt_set)
+        return select_task_prompts(list(prompts.order_by("position")), task.categories,
+                                   task.prompts, task.selection)
+
+    def task_prompts(self) -> dict:
+        """{task: {"selection", "categories": {category: [prompt ids]}, "error"}} for every
+        task, categories in the order the task names them (an empty list when a named
+        category gives none); "error" says why a task's prompts cannot be chosen."""
+        out = {}
+        for task in self.spec_obj.tasks:
+            entry = {"selection": task.selection, "prompts": task.prompts,
+                     "categories": {c: [] for c in task.categories}, "error": ""}
+            try:
+                for p in self.prompts_of_task(task):
+                    entry["categories"].setdefault(p.category, []).append(p.external_id)
+            except ValueError as e:
+                entry["error"] = str(e)
+            out[task.task] = entry
+        return out
+
+    def check_prompts(self, spec: ProtocolSpec):
+        """Refuse a protocol whose imported prompt sets cannot fill its tasks (each task
+        needs its number of prompts, at least the largest batch size, from its categories).
+        Prompt sets not imported yet are checked when a run is built."""
+        problems = []
+        for task in spec.tasks:
+            prompts = Prompt.objects.filter(prompt_set__slug=task.prompt_set)
+            if not prompts.exists():
+                continue
+            try:
+                self.prompts_of_task(task, prompts)
+            except ValueError as e:
+                problems.append(f"task {task.task!r}: {e} (the largest batch size is "
+                                f"{max(spec.batch_sizes)})")
+        if problems:
+            raise ValueError("invalid protocol: " + "; ".join(problems))
+
+    def clean(self):
+        try:
+            self.check_prompts(ProtocolSpec.from_dict(self.spec))
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValidationError({"spec": str(e)}) from None
+
     def save(self, *args, **kwargs):
         spec = ProtocolSpec.from_dict(self.spec)  # validates
+        self.check_prompts(spec)
         self.spec = spec.to_dict()
         self.slug, self.version = spec.slug, spec.version
         self.engine, self.hardware = spec.engine, spec.hardware
@@ -226,6 +277,10 @@ class Run(models.Model):
     started_at = models.DateTimeField(null=True, blank=True)
     heartbeat_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    # Paired protocols: (max - min) / mean of the run's baseline passes, the largest over its
+    # baseline cells (worker.intervals.drift); flagged above the protocol's max_drift.
+    drift = models.FloatField(null=True, blank=True)
+    drift_flagged = models.BooleanField(default=False)
 
     class Meta:
         ordering = ["-queued_at"]
@@ -274,8 +329,25 @@ class Result(models.Model):
     tpot_p90 = models.FloatField(null=True)
     tpot_p99 = models.FloatField(null=True)
     speedup = models.FloatField(null=True, blank=True)
+    speedup_low = models.FloatField(null=True, blank=True)
+    speedup_high = models.FloatField(null=True, blank=True)
+    # The cell speedup divides by (leaderboard/services/baselines.py picks it, once: every
+    # read follows this key, so a stored speedup is pinned to the cells it divided by).
     baseline_result = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL,
                                         related_name="+", help_text="the cell speedup divides by")
+    # Protocol v2 figures (worker.measure CellResult.figures); null on older rows.
+    repetitions = models.PositiveIntegerField(null=True, blank=True)
+    decode_tokens = models.PositiveIntegerField(null=True, blank=True)
+    decode_steps = models.PositiveIntegerField(null=True, blank=True)
+    engine_acceptance_length = models.FloatField(null=True, blank=True)
+    output_throughput_low = models.FloatField(null=True, blank=True)
+    output_throughput_high = models.FloatField(null=True, blank=True)
+    acceptance_length_low = models.FloatField(null=True, blank=True)
+    acceptance_length_high = models.FloatField(null=True, blank=True)
+    pass_throughputs = models.JSONField(null=True, blank=True)
+    host_load = models.FloatField(null=True, blank=True)
+    loaded = models.BooleanField(null=True, blank=True)
+    checks = models.JSONField(null=True, blank=True)
     lossless_share = models.FloatField(null=True, blank=True)
     measured_at = models.DateTimeField(default=timezone.now)
     # "When does it pay?" (worker.analysis) from the run's raw records and its baseline's
@@ -307,6 +379,11 @@ class Result(models.Model):
         "conditional_acceptance", "output_throughput", "ttft_mean", "ttft_p50", "ttft_p90",
         "ttft_p99", "tpot_mean", "tpot_p50", "tpot_p90", "tpot_p99", "speedup",
         "lossless_share", "measured_at",
+        # protocol v2 (null on older rows)
+        "repetitions", "decode_tokens", "decode_steps", "tokens_per_step",
+        "engine_acceptance_length", "output_throughput_low", "output_throughput_high",
+        "acceptance_length_low", "acceptance_length_high", "speedup_low", "speedup_high",
+        "pass_throughputs", "host_load", "loaded", "checks",
     )
 
     def as_cell_dict(self) -> dict:
@@ -315,7 +392,16 @@ class Result(models.Model):
         d["accepted_at"] = list(d["accepted_at"] or [])
         d["run_id"] = self.run_id
         d["baseline_result_id"] = self.baseline_result_id
+        d["checks_ok"], d["checks_failed"] = checks_summary(self.checks)
         return d
+
+
+def checks_summary(checks) -> tuple[bool | None, list[str]]:
+    """(ok, failed reasons) of a cell's self-checks; (None, []) for a row measured before
+    they were kept."""
+    if not checks or "ok" not in checks:
+        return None, []
+    return bool(checks["ok"]), list(checks.get("failed") or [])
 
 
 class ApiToken(models.Model):

@@ -15,6 +15,7 @@ from worker import analysis, metrics
 
 from . import records
 from .models import Protocol, Result, Run
+from .selectors import speedups
 from .selectors.board import latest_succeeded_runs
 from .selectors.shapes import aggregate_cells, protocol_summary
 
@@ -139,21 +140,26 @@ def protocol_pays(protocol: Protocol, temperature: float | None = None) -> dict:
         for res in (Result.objects.filter(run_id__in=ids, temperature=temperature)
                     .order_by("run_id", "task", "batch_size", "k")):
             by_run[res.run_id].append(res.as_cell_dict())
+        # every drafter divides by the baseline cells stored with its cells
+        # (selectors.speedups; paired: its own k = 0 cells)
+        pinned = speedups.pinned_for([c for cs in by_run.values() for c in cs])
         return _protocol_pays(protocol, temperature, tasks, batch_sizes, ks, drafter_runs,
-                              baselines, by_run)
+                              baselines, by_run, pinned)
     out = _cached(("protocol", key), build)
     return {**out, "protocol": protocol_summary(protocol)}
 
 
 def _protocol_pays(protocol, temperature, tasks, batch_sizes, ks, drafter_runs, baselines,
-                   by_run) -> dict:
+                   by_run, pinned) -> dict:
     entries, drafters, curves, points, combine_inputs = [], [], [], [], defaultdict(dict)
     base_outputs, base_records = {}, {}
     for r in sorted(drafter_runs, key=lambda r: r["drafter"]["name"].lower()):
         d = r["drafter"]
-        base_run = baselines.get(r["engine_version"])
-        cells = by_run.get(r["id"], [])
-        base_cells = by_run.get(base_run["id"], []) if base_run else []
+        mine = pinned.get(r["id"], {})
+        base_ids = speedups.baseline_runs_of(mine)
+        base_run = {"id": base_ids[-1]} if base_ids else None
+        cells = [c for c in by_run.get(r["id"], []) if c["k"] > 0]
+        base_cells = sorted(mine.values(), key=speedups.cell_key)
         has_records = bool(r["artifact"])
         if has_records:
             cells_r = records.RunRecords(r["id"]).with_records(cells)
@@ -181,7 +187,7 @@ def _protocol_pays(protocol, temperature, tasks, batch_sizes, ks, drafter_runs, 
             by_k[c["k"]].append((c, a))
         for k, pairs in sorted(by_k.items()):
             kcells = [c for c, _ in pairs]
-            measured = analysis.speedup_by_batch(kcells, base_cells)
+            measured = speedups.speedup_by_batch(kcells, mine)
             per_b = []
             for b in batch_sizes:
                 pooled = _pooled([a for c, a in pairs if a and c["batch_size"] == b])
@@ -212,10 +218,13 @@ def _protocol_pays(protocol, temperature, tasks, batch_sizes, ks, drafter_runs, 
                 "best_drafter_speedup": m.get("best_drafter_speedup", m["speedup"])})
         matrix_rows.append(row)
     combine, combine_models = [], {}
-    if baselines and combine_inputs:
-        base_id = next(iter(baselines.values()))["id"]
-        combine_models = analysis.fit_cost_models(
-            baseline_for_cost_model(base_id, by_run.get(base_id, [])))
+    # the cost model of the combination: the pinned baseline cells of the first drafter
+    # that has any (paired protocols have no separate baseline run)
+    base_cells = next((sorted(pinned[r["id"]].values(), key=speedups.cell_key)
+                       for r in drafter_runs if pinned.get(r["id"])), [])
+    if base_cells and combine_inputs:
+        base_id = base_cells[0]["run_id"]
+        combine_models = analysis.fit_cost_models(baseline_for_cost_model(base_id, base_cells))
     for (t, b, k), recs in sorted(combine_inputs.items()):
         model = combine_models.get((t, float(temperature)))
         try:
@@ -271,17 +280,38 @@ def recommendation(protocol: Protocol, mix: dict[str, float], batch_size: int,
     drafter_runs, baselines = latest_succeeded_runs(protocol)
     ids = [r["id"] for r in drafter_runs] + [r["id"] for r in baselines.values()]
     rows = list(Result.objects.filter(run_id__in=ids, temperature=temperature).values(
-        "run_id", "task", "batch_size", "k", "output_throughput"))
-    newest = max(baselines.values(), key=lambda r: (r["queued_at"], r["id"]), default=None)
+        "run_id", "task", "batch_size", "temperature", "k", "output_throughput", "speedup",
+        "baseline_result_id"))
     runs = {r["id"]: r for r in drafter_runs}
-    cells = [{**x, "drafter": runs[x["run_id"]]["drafter"]["slug"]} for x in rows
-             if x["run_id"] in runs and baselines.get(runs[x["run_id"]]["engine_version"])]
-    base_cells = [x for x in rows if newest and x["run_id"] == newest["id"]]
-    # a drafter is compared with the baseline of its own engine version
+    # every drafter divides by the baseline cells stored with its cells (pinned; paired:
+    # its own k = 0 cells): one query for those cells
+    drafter_rows = [x for x in rows if x["run_id"] in runs and x["k"] > 0]
+    pinned = speedups.pinned_for(drafter_rows)
+    cells = [{**x, "drafter": runs[x["run_id"]]["drafter"]["slug"]} for x in drafter_rows
+             if x["baseline_result_id"]]
+    # the "baseline" option: the pinned cells of the newest drafter run with any
+    newest = max((r for r in drafter_runs if pinned.get(r["id"])),
+                 key=lambda r: (r["queued_at"], r["id"]), default=None)
+    base_cells = list(pinned[newest["id"]].values()) if newest else []
     out = {"temperature": temperature, "protocol": protocol_summary(protocol)}
     result = analysis.recommend(cells, base_cells, mix, batch_size)
     names = {r["drafter"]["slug"]: r["drafter"] for r in drafter_runs}
+    run_of = {r["drafter"]["slug"]: r["id"] for r in drafter_runs}
+    stored = {(x["drafter"], x["k"], x["task"], x["batch_size"]): x["speedup"] for x in cells}
     for o in result["options"]:
+        if o["drafter"]:  # speedups against the drafter's own pinned baseline cells
+            per_task = o["per_task"]
+            for t, v in per_task.items():
+                v["speedup"] = stored.get((o["drafter"], o["k"], t, result["batch_size"]))
+            base = {key[0]: c["output_throughput"] for key, c in
+                    pinned.get(run_of[o["drafter"]], {}).items()
+                    if key[1] == result["batch_size"]}
+            w = result["mix"]
+            base_mix = (1.0 / sum(wt / base[t] for t, wt in w.items())
+                        if all(base.get(t) for t in w) else None)
+            o["speedup"] = metrics.speedup(o["throughput"], base_mix)
+            sps = [v["speedup"] for v in per_task.values() if v["speedup"] is not None]
+            o["speedup_min"], o["speedup_max"] = (min(sps), max(sps)) if sps else (None, None)
         o["drafter"] = names.get(o["drafter"]) if o["drafter"] else None
         o["per_task"] = [{"task": t, **v} for t, v in o["per_task"].items()]
     out.update(result)

@@ -164,7 +164,15 @@ CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 
 # Demo protocol size knobs (tests shrink them; the defaults finish in minutes on 2 cores).
-DEMO_PROMPTS_PER_TASK = env_int("SPECBOARD_DEMO_PROMPTS_PER_TASK", 16)
+# Prompts per task of the demo protocol's current version (v2); at least its largest batch
+# size (8), so every batch size runs with that many requests in flight.
+DEMO_PROMPTS_PER_TASK = env_int("SPECBOARD_DEMO_PROMPTS_PER_TASK", 8)
+
+# The host lock (worker.hostlock): a measurement holds it, so a second measurement on the
+# same host waits and the Gradio demo yields (or labels its timings) while one runs.
+HOST_LOCK = Path(env_str("SPECBOARD_HOST_LOCK", str(VAR_DIR / "host.lock")))
+# How long the demo waits for the host lock before it generates anyway ("under contention").
+DEMO_HOST_WAIT_S = env_int("SPECBOARD_DEMO_HOST_WAIT_S", 60)
 
 # --- Gradio live demo (`manage.py demo`, run from .venv-demo) ----------------------------
 # Where the site's /demo/ page finds the Gradio app (it embeds it in an iframe).

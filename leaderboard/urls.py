@@ -10,6 +10,7 @@ urlpatterns = [
     path("", views.home, name="home"),
     path("queue/", views.queue, name="queue"),
     path("queue/progress.json", views.queue_progress, name="queue_progress"),
+    path("runs/<int:run_id>/", views.run_detail, name="run"),
     path("runs/<int:run_id>/cancel/", views.run_cancel, name="run_cancel"),
     path("runs/<int:run_id>/artifact/", views.run_artifact, name="run_artifact"),
     path("submit/", views.submit, name="submit"),

@@ -90,6 +90,7 @@ def protocol_choices():
 ROWS_PER_PAGE = 100
 COLUMNS = [("name", "Drafter"), ("method", "Method"), ("k", "k"), ("batch_size", "Batch"),
            ("temperature", "Temp."), ("acceptance_length", "Acceptance length"),
+           ("tokens_per_step", "Tokens/step"),
            ("acceptance_rate", "Acceptance rate"), ("output_throughput", "Throughput (tok/s)"),
            ("speedup", "Speedup"), ("lossless_share", "Lossless")]
 
@@ -357,6 +358,16 @@ def protocol_detail(request, slug, version):
     return render(request, "leaderboard/protocol_detail.html",
                   {"p": protocols.protocol_detail(protocol),
                    "pays_definitions": analysis.definitions()})
+
+
+@require_GET
+def run_detail(request, run_id):
+    """One run: state, engine, drift between its baseline passes, and every cell with its
+    validity marks (self-checks), host load and the baseline cell its speedup divides by."""
+    page = run_reads.run_page(run_id)
+    if page is None:
+        raise Http404("no such run")
+    return render(request, "leaderboard/run.html", page)
 
 
 @require_GET

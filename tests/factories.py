@@ -24,7 +24,7 @@ def make_target(slug="tiny", vocab_size=64, hidden_size=16, num_layers=2, name=N
         vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers))[0]
 
 
-def make_prompt_set(slug="chat-set", categories=("writing", "coding"), per_category=3):
+def make_prompt_set(slug="chat-set", categories=("writing", "coding"), per_category=5):
     ps, created = PromptSet.objects.get_or_create(slug=slug, defaults=dict(
         name=slug, format="spec-bench", source_name=f"{slug}.jsonl",
         source_sha256=hashlib.sha256(slug.encode()).hexdigest()))
@@ -38,13 +38,15 @@ def make_prompt_set(slug="chat-set", categories=("writing", "coding"), per_categ
 
 def make_protocol(target, slug="pages", version=1, hardware="pages-test",
                   tasks=("chat", "code"), batch_sizes=(1, 4), temperatures=(0.0,), ks=(2, 4),
-                  prompt_set=None):
+                  prompt_set=None, baseline="shared", repetitions=1, selection="first"):
     ps = prompt_set or make_prompt_set()
     spec = ProtocolSpec(
         slug=slug, version=version, target=target.slug, target_sha256=target.weights_sha256,
         engine="vllm", hardware=hardware,
-        tasks=tuple(TaskSpec(t, ps.slug, ps.source_sha256, 2) for t in tasks),
-        temperatures=tuple(temperatures), batch_sizes=tuple(batch_sizes), ks=tuple(ks))
+        tasks=tuple(TaskSpec(t, ps.slug, ps.source_sha256, max(batch_sizes), selection=selection)
+                    for t in tasks),
+        temperatures=tuple(temperatures), batch_sizes=tuple(batch_sizes), ks=tuple(ks),
+        baseline=baseline, repetitions=repetitions)
     return Protocol.objects.create(title=f"test protocol {slug}", target=target,
                                    spec=spec.to_dict())
 
@@ -60,7 +62,7 @@ def make_drafter(target, name, method="ngram", owner=None, **fields):
 
 
 def make_run(protocol, drafter=None, state=Run.SUCCEEDED, engine_version="0.0.test", **fields):
-    cells = len(protocol.spec_obj.cells(with_drafter=drafter is not None))
+    cells = len(protocol.spec_obj.run_cells(drafter.method if drafter else "baseline"))
     now = timezone.now()
     done = cells if state == Run.SUCCEEDED else fields.pop("cells_done", 0)
     return Run.objects.create(

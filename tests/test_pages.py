@@ -297,7 +297,7 @@ def test_protocol_page_shows_the_spec_prompt_sets_policy_and_definitions(client,
     from django.utils.html import escape
     assert escape(protocol.canonical_json) in html
     ps = f.make_prompt_set()
-    assert ps.source_sha256 in html and ">6<" in html  # 2 categories x 3 prompts
+    assert ps.source_sha256 in html and ">10<" in html  # 2 categories x 5 prompts
     policy = protocols.multi_turn_policy()
     assert policy.startswith("How a prompt with several user turns is sent")
     assert escape(policy) in html

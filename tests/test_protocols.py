@@ -22,7 +22,7 @@ def target(db):
 def test_protocol_hash_is_stable_and_changes_with_any_field():
     assert make_spec().sha256() == make_spec().sha256()
     assert make_spec().sha256() == ProtocolSpec.from_dict(make_spec().to_dict()).sha256()
-    others = [make_spec(batch_sizes=(1, 8)), make_spec(max_new_tokens=64), make_spec(ks=(2, 4)),
+    others = [make_spec(batch_sizes=(1, 2)), make_spec(max_new_tokens=64), make_spec(ks=(2, 4)),
               make_spec(temperatures=(0.0, 1.0)), make_spec(hardware="h100"),
               make_spec(tasks=(TaskSpec("chat", "mt-bench", "b" * 64, 4),))]
     assert len({s.sha256() for s in others} | {make_spec().sha256()}) == len(others) + 1
@@ -74,3 +74,101 @@ def test_protocol_cells_cover_the_grid():
     spec = make_spec(batch_sizes=(1, 4), ks=(2, 4), temperatures=(0.0, 1.0))
     assert len(spec.cells(with_drafter=True)) == 1 * 2 * 2 * 2
     assert {c.k for c in spec.cells(with_drafter=False)} == {0}
+
+
+# ----------------------------------------------------------------------- protocol v2
+
+V1_DICT = {
+    "slug": "demo-cpu", "version": 1, "target": "smollm2", "target_sha256": "0" * 64,
+    "engine": "vllm", "hardware": "cpu",
+    "tasks": [{"task": "chat", "prompt_set": "mt-bench", "prompt_set_sha256": "a" * 64,
+               "prompts": 16, "categories": ["writing", "roleplay"]}],
+    "temperatures": [0.0], "max_new_tokens": 128, "seed": 0, "batch_sizes": [1, 4, 8],
+    "ks": [2, 4], "warmup_requests": 2, "repetitions": 1, "chat_template": True,
+    "multi_turn": "first_turn", "engine_args": {},
+}
+
+
+def test_a_v1_protocol_keeps_its_hash_and_reads_as_shared_first():
+    import hashlib
+
+    from worker.protocol import canonical_json
+
+    spec = ProtocolSpec.from_dict(V1_DICT)
+    assert spec.baseline == "shared" and spec.tasks[0].selection == "first"
+    assert spec.to_dict() == V1_DICT
+    assert spec.sha256() == hashlib.sha256(canonical_json(V1_DICT).encode()).hexdigest()
+    assert ProtocolSpec.from_dict(spec.to_dict()).sha256() == spec.sha256()
+
+
+def test_paired_and_stratified_change_the_hash_and_round_trip():
+    shared = make_spec(baseline="shared")
+    paired = make_spec(baseline="paired")
+    assert make_spec().baseline == "paired"
+    assert paired.sha256() != shared.sha256()
+    assert make_spec(max_drift=0.1).sha256() != paired.sha256()
+    assert "baseline" not in shared.to_dict() and "max_drift" not in shared.to_dict()
+    assert paired.to_dict()["baseline"] == "paired" and paired.to_dict()["max_drift"] == 0.05
+    strat = make_spec(tasks=(TaskSpec("chat", "mt-bench", "a" * 64, 4, ("a", "b"),
+                                      "stratified"),))
+    first = make_spec(tasks=(TaskSpec("chat", "mt-bench", "a" * 64, 4, ("a", "b")),))
+    assert strat.sha256() != first.sha256()
+    for spec in (shared, paired, strat, first):
+        again = ProtocolSpec.from_dict(spec.to_dict())
+        assert again == spec and again.sha256() == spec.sha256()
+
+
+def test_new_values_are_validated():
+    with pytest.raises(ValueError, match="baseline must be one of paired, shared"):
+        make_spec(baseline="nearby")
+    with pytest.raises(ValueError, match="max_drift"):
+        make_spec(max_drift=0)
+    with pytest.raises(ValueError, match="selection must be one of first, stratified"):
+        TaskSpec("chat", "mt-bench", "a" * 64, 4, (), "random")
+
+
+def test_a_task_that_cannot_fill_the_largest_batch_is_refused():
+    with pytest.raises(ValueError, match="'chat' has 4 prompts, fewer than the largest "
+                                         "batch size 8"):
+        make_spec(batch_sizes=(1, 8))
+    with pytest.raises(ValueError, match="fewer than the largest batch size"):
+        ProtocolSpec.from_dict({**V1_DICT, "tasks": [{**V1_DICT["tasks"][0], "prompts": 4}]})
+
+
+def test_run_cells_of_a_paired_drafter_include_its_baseline_cells():
+    paired = make_spec(ks=(2, 4))
+    shared = make_spec(ks=(2, 4), baseline="shared")
+    assert paired.run_cells("baseline") == paired.cells(with_drafter=False)
+    assert shared.run_cells("ngram") == shared.cells(with_drafter=True)
+    cells = paired.run_cells("ngram")
+    assert sorted(cells) == sorted(paired.cells(with_drafter=False)
+                                   + paired.cells(with_drafter=True))
+    assert [(c.batch_size, c.k) for c in cells] == [(1, 0), (1, 2), (1, 4),
+                                                    (4, 0), (4, 2), (4, 4)]
+
+
+class P:
+    def __init__(self, external_id, category):
+        self.external_id, self.category = external_id, category
+
+
+MT_BENCH_SHAPED = [P(str(81 + i), cat) for i, cat in enumerate(
+    c for c in ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
+                "humanities") for _ in range(10))]
+
+
+def test_stratified_selection_takes_every_named_category_in_turn():
+    from worker.prompts import select_task_prompts
+
+    cats = ("writing", "roleplay", "humanities", "stem")
+    chosen = select_task_prompts(MT_BENCH_SHAPED, cats, 8, "stratified")
+    assert [p.category for p in chosen] == list(cats) * 2
+    assert [p.external_id for p in chosen][:4] == ["81", "91", "151", "141"]
+    first = select_task_prompts(MT_BENCH_SHAPED, cats, 8, "first")
+    assert {p.category for p in first} == {"writing"}
+    # No categories named: order of first appearance; a category that runs out is skipped.
+    small = [P("1", "a"), P("2", "b"), P("3", "b"), P("4", "b"), P("5", "c")]
+    assert [p.external_id for p in select_task_prompts(small, (), 5, "stratified")] == \
+        ["1", "2", "5", "3", "4"]
+    with pytest.raises(ValueError, match="needs 6 prompts"):
+        select_task_prompts(small, (), 6, "stratified")

@@ -35,3 +35,41 @@ def test_a_stopped_measurement_ends_the_child_before_returning(tmp_path):
                                poll_seconds=0.01)
     assert outcome == "stopped"
     assert runner_children() == []
+
+
+def _nothing_to_measure_job():
+    from worker.measure import DrafterSpec, MeasureJob, PromptItem
+    from worker.protocol import ProtocolSpec, TaskSpec
+
+    spec = ProtocolSpec(slug="p", version=1, target="t", target_sha256="", engine="vllm",
+                        hardware="cpu", tasks=(TaskSpec("chat", "s", "", 2),),
+                        batch_sizes=(1, 2), ks=(2,))
+    prompts = {"chat": [PromptItem("1", ["hi"]), PromptItem("2", ["ho"])]}
+    skip = frozenset(c.key for c in spec.run_cells("baseline"))
+    return MeasureJob(spec, "/nonexistent-target", DrafterSpec("baseline"), prompts, skip)
+
+
+def test_the_child_holds_the_host_lock_and_waits_for_it(tmp_path):
+    import threading
+    import time
+
+    from worker.hostlock import HostLock
+
+    lock_path = tmp_path / "host.lock"
+    events, outcome = [], {}
+    held = HostLock(lock_path, log=lambda m: None)
+    held.acquire()
+    worker = threading.Thread(target=lambda: outcome.setdefault("result", run_job_in_child(
+        _nothing_to_measure_job(), tmp_path / "run.log", events.append, lambda: False,
+        poll_seconds=0.2, host_lock_path=str(lock_path))))
+    worker.start()
+    deadline = time.monotonic() + 60
+    while not events and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [e["type"] for e in events] == ["started"]
+    time.sleep(2.0)
+    assert worker.is_alive(), "the child measured while another process held the host lock"
+    held.release()
+    worker.join(60)
+    assert outcome.get("result") == "done"
+    assert "host" in (tmp_path / "run.log").read_text().lower()

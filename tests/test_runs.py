@@ -23,16 +23,16 @@ def protocol(demo_target_dir, prompt_files, settings, tmp_path):
     qa, _ = setup.import_prompt_set(prompt_files / "mt_bench.jsonl", "mt-bench", slug="qa")
     spec = ProtocolSpec(slug="p", version=1, target="t", target_sha256="0" * 64, engine="vllm",
                         hardware="cpu", tasks=(TaskSpec("qa", "qa", qa.source_sha256, 1),),
-                        batch_sizes=(1,), ks=(2,))
+                        batch_sizes=(1,), ks=(2,), baseline="shared")
     return Protocol.objects.create(target=target, spec=spec.to_dict())
 
 
-def test_a_drafter_run_queues_its_baseline_once(protocol):
+def test_a_drafter_run_under_a_shared_protocol_queues_its_baseline_once(protocol):
     ngram = Drafter.objects.create(slug="n", name="n", method="ngram", target=protocol.target)
     first = runs.queue_run(protocol, ngram, send=False)
     runs.queue_run(protocol, ngram, send=False)
     assert Run.objects.filter(drafter__isnull=True).count() == 1
-    assert first.cells_total == 1 and runs.baseline_run(protocol).cells_total == 1
+    assert first.cells_total == 1 and Run.objects.get(drafter__isnull=True).cells_total == 1
 
 
 def test_claim_is_a_compare_and_set(protocol):

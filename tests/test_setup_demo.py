@@ -34,3 +34,30 @@ def test_setup_demo_twice_gives_the_same_rows(demo_target_dir, capsys):
     assert target.has_chat_template
     out = capsys.readouterr().out
     assert "[setup_demo] done" in out
+
+
+@pytest.mark.django_db
+def test_demo_protocol_v2_is_paired_stratified_with_repetitions_and_keeps_v1(demo_target_dir):
+    from leaderboard.models import Run
+    from leaderboard.services import setup
+
+    rows = setup.setup_demo(progress=lambda m: None)
+    v2 = rows["protocol"]
+    spec = v2.spec_obj
+    assert (v2.version, spec.baseline, spec.repetitions) == (2, "paired", 3)
+    assert all(t.selection == "stratified" and t.prompts == 8 for t in spec.tasks)
+    # every named category is measured
+    chosen = v2.task_prompts()
+    assert set(chosen["chat"]["categories"]) == {"writing", "roleplay", "humanities", "stem"}
+    assert all(chosen["math-reasoning"]["categories"][c]
+               for c in ("math", "reasoning", "extraction"))
+    queued = setup.queue_demo_runs(rows)
+    assert [r.drafter_id is None for r in queued] == [False]  # no separate baseline (paired)
+    assert queued[0].cells_total == len(spec.run_cells("ngram"))
+    assert not Run.objects.filter(protocol=v2, drafter__isnull=True).exists()
+    # an existing v1 stays as it was
+    v1, _ = setup.ensure_protocol(
+        setup.demo_protocol_spec_v1(rows["target"], rows["prompt_sets"]), rows["target"])
+    assert (v1.version, v1.spec_obj.baseline, v1.spec_obj.repetitions) == (1, "shared", 1)
+    assert setup.setup_demo(progress=lambda m: None)["protocol"].pk == v2.pk
+    assert Protocol.objects.filter(slug=v2.slug).count() == 2

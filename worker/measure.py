@@ -1,45 +1,40 @@
 """Measure a drafter (or the baseline) under a protocol on vLLM: the cells of the grid
 (task x temperature x batch size x k), each with the figures of worker.metrics, the output
-tokens and the raw per-request records.
+tokens and the raw per-request records. Measuring one cell pass and a cell's figures is
+worker.cell; this module is the run: engines, the order of passes, resuming, the CLI.
 
-How a cell is measured
+How a run is measured
 - One engine per speculation budget k (vLLM fixes num_speculative_tokens when it builds the
-  engine), reused for every task, batch size and temperature with that k; the baseline has
-  one engine. Cells are measured engine by engine: the k's in protocol order, and within
-  one k in ``ProtocolSpec.cells`` order (``measurement_order`` gives that order).
-  ``spec.warmup_requests`` requests, not counted, follow each engine start.
-- Batch size b is a client-side concurrency limit over that one engine, as
-  ``vllm bench serve --max-concurrency b``: an asyncio.Semaphore(b) keeps b requests in
-  flight while b or more remain. The cell's wall time runs from its first submission to its
-  last completion. TTFT and latency are client side, from a request's submission.
+  engine); the baseline has one engine (k = 0). ``spec.warmup_requests`` requests, not
+  counted, follow each engine start.
+- Repetitions are *passes*: pass r of a cell sends every prompt of its task once, with at
+  most b requests in flight (b = batch size, a client-side concurrency limit over one engine,
+  as ``vllm bench serve --max-concurrency b``). A cell's figures sum over its passes.
+- A *group* is the cells that share (task, temperature, batch size) and are measured side by
+  side. Under a paired protocol a drafter run's group is the baseline cell (k = 0) and one
+  cell per k: for each pass r, the baseline's pass r, then each k's pass r, so drift and
+  load hit both sides; every engine (baseline + one per k) stays alive for the whole run.
+  Otherwise (the baseline's own run, or a drafter under a shared baseline) a group is one
+  cell, measured with all its passes on its k's engine; engines are started k by k, as in
+  protocol v1. ``measurement_order`` gives the cells in the order they are yielded.
+- A group's cells are yielded when its last pass ends (baseline first). On resume a group
+  with any cell not in ``job.skip`` is measured again whole and all its cells are yielded
+  (a drafter cell always divides by the baseline passes measured beside it).
 - Prompts: only the first user turn is sent (protocol multi_turn "first_turn"), through the
   target's chat template when ``spec.chat_template``; the token ids are sent to the engine.
 - Sampling: temperature T, max_tokens = spec.max_new_tokens, the target's EOS ids stop a
   request. At T > 0 each request has its own seed, derived from spec.seed, the prompt id
-  and the repetition (so a cell is reproducible and the same prompt gets the same seed at
-  every batch size and k). At T = 0 decoding is greedy and no seed is needed.
-- Repetitions: with spec.repetitions = r every prompt is sent r times within the cell (all
-  r x N requests share the concurrency limit); counts, tokens and wall time are summed over
-  all of them and latency percentiles are taken over all of them. ``outputs`` holds the
-  first repetition's output per prompt.
-
-Speculation counts
-- vLLM's counters (``vllm:spec_decode_*``) are cumulative per engine: a cell's counts are
-  the difference of snapshots taken before its first request and after its last.
-- vLLM counts a verification step's accepted drafts before it cuts the output at EOS or
-  max_tokens, so drafts accepted past the end of an output are in its counters. Tokens after
-  the end are never counted here: from vLLM's per-request step records (accepted and
-  drafted per verification step) and the tokens each engine step delivered, the last step
-  of a request that was cut is reduced to the drafted tokens that were kept (all of them
-  accepted), and the difference is taken off the cell's counts. ``CellResult.checks`` keeps
-  vLLM's own difference and the size of that correction.
+  and the pass (so a cell is reproducible and the same prompt gets the same seed at every
+  batch size and k). At T = 0 decoding is greedy and no seed is needed.
+- With ``host_lock_path`` the run holds the host lock (worker.hostlock) for the whole
+  measurement; each pass samples the host's other load (worker.hostload).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gzip
-import hashlib
 import json
 import os
 import sys
@@ -48,24 +43,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from worker import metrics
+from worker.cell import (FIGURE_KEYS, CellResult, PromptItem, cell_result,  # noqa: F401
+                         measure_pass, request_seed, request_spec_counts, run_concurrent)
 from worker.methods import (check_supported, speculative_config, validate_drafter_files)
-from worker.metrics import SpecCounts
 from worker.protocol import MULTI_TURN_FIRST_TURN, Cell, ProtocolSpec
-
-FIGURE_KEYS = (
-    "requests", "generated_tokens", "wall_seconds", "drafts", "draft_tokens",
-    "accepted_tokens", "accepted_at", "acceptance_length", "acceptance_rate",
-    "per_position_acceptance", "conditional_acceptance", "output_throughput",
-    "ttft_mean", "ttft_p50", "ttft_p90", "ttft_p99",
-    "tpot_mean", "tpot_p50", "tpot_p90", "tpot_p99",
-)
-
-
-@dataclass
-class PromptItem:
-    id: str            # prompt external id
-    turns: list[str]   # user turns; multi_turn "first_turn" => only turns[0] is sent
 
 
 @dataclass
@@ -80,27 +61,23 @@ class MeasureJob:
     spec: ProtocolSpec
     target_path: str
     drafter: DrafterSpec
-    prompts: dict[str, list[PromptItem]]   # task name -> prompts (the protocol's first N)
+    prompts: dict[str, list[PromptItem]]   # task name -> the protocol's prompts
     skip: frozenset = frozenset()          # Cell.key tuples already measured
-
-
-@dataclass
-class CellResult:
-    cell: Cell
-    figures: dict                   # exactly FIGURE_KEYS
-    outputs: dict[str, list[int]]   # prompt id -> output token ids (cut after EOS)
-    records: list[dict]             # raw per-request lines
-    # Diagnostics, not figures: vLLM's own counter difference, the correction for tokens
-    # past the end of outputs, the most requests seen in flight.
-    checks: dict = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- engine info
 
+def is_paired(job) -> bool:
+    """A drafter run under a paired protocol measures its own baseline cells."""
+    return job.drafter.method != "baseline" and job.spec.baseline == "paired"
+
+
 def _speculative_configs(job) -> dict:
+    """Speculative config per engine k (None: the baseline engine, k = 0)."""
     if job.drafter.method == "baseline":
         return {0: None}
-    return {k: speculative_config(job.drafter, k) for k in job.spec.ks}
+    configs = {k: speculative_config(job.drafter, k) for k in job.spec.ks}
+    return {0: None, **configs} if is_paired(job) else configs
 
 
 def engine_info(job) -> dict:
@@ -118,16 +95,31 @@ def engine_info(job) -> dict:
         "speculative_configs": {str(k): v for k, v in _speculative_configs(job).items()},
         "per_request_spec_decode_metrics": "none" if job.drafter.method == "baseline"
         else "detailed",
+        "baseline": "paired" if is_paired(job) else
+        ("own" if job.drafter.method == "baseline" else "shared"),
     }
 
 
-def measurement_order(job) -> list[Cell]:
-    """The cells iter_cells measures, in the order it yields them (skipped cells left out):
-    grouped by k (one engine each), the protocol's cell order within a group."""
+def measurement_groups(job) -> list[list[Cell]]:
+    """The groups of cells iter_cells measures side by side, in order (see the module
+    docstring); a group whose cells are all in ``job.skip`` is left out."""
+    spec = job.spec
+    if is_paired(job):
+        groups = {}
+        for cell in spec.run_cells(job.drafter.method):
+            groups.setdefault((cell.task, cell.temperature, cell.batch_size), []).append(cell)
+        return [cells for cells in groups.values()
+                if any(c.key not in job.skip for c in cells)]
     with_drafter = job.drafter.method != "baseline"
-    cells = [c for c in job.spec.cells(with_drafter=with_drafter) if c.key not in job.skip]
-    ks = list(job.spec.ks) if with_drafter else [0]
-    return sorted(cells, key=lambda c: ks.index(c.k))  # stable: keeps cells() order
+    cells = [c for c in spec.cells(with_drafter=with_drafter) if c.key not in job.skip]
+    ks = list(spec.ks) if with_drafter else [0]
+    return [[c] for c in sorted(cells, key=lambda c: ks.index(c.k))]  # stable sort
+
+
+def measurement_order(job) -> list[Cell]:
+    """The cells iter_cells measures, in the order it yields them (skipped cells left out,
+    except those of a group that is measured again whole)."""
+    return [c for group in measurement_groups(job) for c in group]
 
 
 # --------------------------------------------------------------------------- prompts
@@ -163,192 +155,13 @@ def eos_token_ids(tokenizer, target_path) -> set[int]:
     return ids
 
 
-def request_seed(seed: int, prompt_id: str, repetition: int) -> int:
-    """Per-request seed: a hash of the protocol seed, the prompt id and the repetition."""
-    digest = hashlib.sha256(f"{seed}:{prompt_id}:{repetition}".encode()).digest()
-    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
-
-
-# --------------------------------------------------------------------------- counts
-
-def request_spec_counts(spec_metrics: dict | None, step_tokens: list[int], output_len: int,
-                        k: int):
-    """A request's speculation counts as vLLM counted them (``raw``) and with the tokens
-    past the end of its output left out (``kept``), plus the number of tokens cut.
-
-    ``step_tokens`` are the tokens each engine step delivered (the first is the prefill's
-    token); a verification step yields accepted + 1 tokens, a step without drafts yields 1.
-    What the engine produced minus what the output holds is what vLLM cut from the last
-    step. Returns (raw, kept, cut); cut is None when the records do not add up (then
-    kept == raw)."""
-    if not spec_metrics:
-        empty = SpecCounts(0, 0, 0, [0] * k)
-        return empty, empty, 0
-    accepted = spec_metrics.get("per_step_accepted")
-    drafted = spec_metrics.get("per_step_drafted")
-    if accepted is None or drafted is None:
-        if spec_metrics.get("num_spec_steps", 0) == 0:
-            empty = SpecCounts(0, 0, 0, [0] * k)
-            return empty, empty, 0
-        hist = spec_metrics["acceptance_histogram"]
-        raw = SpecCounts(sum(hist), spec_metrics["num_draft_tokens"],
-                         sum(j * c for j, c in enumerate(hist)),
-                         [sum(hist[i + 1:]) for i in range(k)])
-        return raw, raw, None
-    raw = metrics.counts_from_steps(accepted, drafted, k)
-    if not step_tokens or sum(step_tokens) != output_len:
-        return raw, raw, None
-    non_spec_steps = len(step_tokens) - 1 - len(accepted)
-    produced = 1 + sum(a + 1 for a in accepted) + non_spec_steps
-    cut = produced - output_len
-    if cut == 0:
-        return raw, raw, 0
-    if cut < 0 or non_spec_steps < 0 or not accepted:
-        return raw, raw, None
-    kept_last = accepted[-1] + 1 - cut
-    if not 1 <= kept_last <= accepted[-1]:
-        return raw, raw, None
-    kept = metrics.counts_from_steps(accepted[:-1] + [kept_last],
-                                     drafted[:-1] + [min(drafted[-1], kept_last)], k)
-    return raw, kept, cut
-
-
-def _counts_dict(c: SpecCounts) -> dict:
-    return {"drafts": c.drafts, "draft_tokens": c.draft_tokens,
-            "accepted_tokens": c.accepted_tokens, "accepted_at": list(c.accepted_at)}
-
-
-def cell_figures(counts: SpecCounts, output_lengths: list[int], ttfts: list, latencies: list,
-                 wall_seconds: float) -> dict:
-    """The figures of a cell, every one from worker.metrics."""
-    generated = sum(output_lengths)
-    tpots = [metrics.tpot(lat, t, n) if t is not None else None
-             for lat, t, n in zip(latencies, ttfts, output_lengths)]
-    ttft_s, tpot_s = metrics.summary(ttfts), metrics.summary(tpots)
-    figures = {
-        "requests": len(output_lengths),
-        "generated_tokens": generated,
-        "wall_seconds": wall_seconds,
-        **metrics.acceptance_figures(counts),
-        "output_throughput": metrics.output_throughput(generated, wall_seconds),
-        **{f"ttft_{q}": ttft_s[q] for q in ("mean", "p50", "p90", "p99")},
-        **{f"tpot_{q}": tpot_s[q] for q in ("mean", "p50", "p90", "p99")},
-    }
-    assert tuple(figures) == FIGURE_KEYS
-    return figures
-
-
-# --------------------------------------------------------------------------- one cell
-
-async def _run_concurrent(engine, requests, concurrency):
-    """Send requests (prompt ids, sampling, request id) with at most `concurrency` in flight.
-    Returns (results in request order, wall seconds, the most requests seen in flight)."""
-    sem = asyncio.Semaphore(concurrency)
-    state = {"in_flight": 0, "max": 0, "first": None, "last": None}
-
-    async def one(prompt_ids, sampling, rid):
-        async with sem:
-            now = time.perf_counter()
-            if state["first"] is None:
-                state["first"] = now
-            state["in_flight"] += 1
-            state["max"] = max(state["max"], state["in_flight"])
-            try:
-                return await engine.generate(prompt_ids, sampling, rid)
-            finally:
-                state["in_flight"] -= 1
-                state["last"] = time.perf_counter()
-
-    results = await asyncio.gather(*(one(*r) for r in requests))
-    return results, state["last"] - state["first"], state["max"]
-
-
-async def measure_cell(engine, cell: Cell, spec: ProtocolSpec, prompts: list[PromptItem],
-                       prompt_ids: dict[str, list[int]], eos_ids: set[int],
-                       speculative: bool) -> CellResult:
-    k = cell.k
-    requests, meta = [], []
-    for rep in range(spec.repetitions):
-        for item in prompts:
-            sampling = {"temperature": cell.temperature, "max_tokens": spec.max_new_tokens,
-                        "n": 1}
-            seed = None
-            if cell.temperature > 0:
-                seed = request_seed(spec.seed, item.id, rep)
-                sampling["seed"] = seed
-            rid = f"{cell.task}|b{cell.batch_size}|t{cell.temperature:g}|k{k}|{item.id}|r{rep}"
-            requests.append((prompt_ids[item.id], sampling, rid))
-            meta.append((item, rep, seed))
-
-    before = engine.spec_counts() if speculative else SpecCounts()
-    results, wall, max_in_flight = await _run_concurrent(engine, requests, cell.batch_size)
-    counts = SpecCounts()
-    if speculative:
-        after = engine.spec_counts()
-        for _ in range(20):   # the output handler records stats right after the outputs
-            await asyncio.sleep(0.01)
-            latest = engine.spec_counts()
-            if latest == after:
-                break
-            after = latest
-        counts = after - before
-        counts.accepted_at = (list(counts.accepted_at) + [0] * k)[:k]
-
-    records, outputs, lengths, ttfts, lats = [], {}, [], [], []
-    raw_sum, kept_sum = SpecCounts(0, 0, 0, [0] * k), SpecCounts(0, 0, 0, [0] * k)
-    cut_tokens, unmatched = 0, 0
-    for (item, rep, seed), res in zip(meta, results):
-        out = metrics.truncate_at_eos(res.output_token_ids, eos_ids)
-        if rep == 0:
-            outputs[item.id] = out
-        lengths.append(len(out))
-        ttfts.append(res.ttft)
-        lats.append(res.latency)
-        record = {
-            "prompt_id": item.id, "task": cell.task, "batch_size": cell.batch_size,
-            "temperature": cell.temperature, "k": k, "repetition": rep, "seed": seed,
-            "output_token_ids": out, "prompt_tokens": res.prompt_tokens,
-            "ttft": res.ttft, "latency": res.latency, "finish_reason": res.finish_reason,
-            "tpot": metrics.tpot(res.latency, res.ttft, len(out)) if res.ttft else None,
-        }
-        if speculative:
-            raw, kept, cut = request_spec_counts(res.spec_metrics, res.step_tokens,
-                                                 len(res.output_token_ids), k)
-            raw_sum, kept_sum = raw_sum + raw, kept_sum + kept
-            if cut is None:
-                unmatched += 1
-            else:
-                cut_tokens += cut
-            record.update(_counts_dict(kept))
-            record["cut_after_end"] = cut
-            record["vllm_spec_decode"] = res.spec_metrics
-            record["step_tokens"] = res.step_tokens
-        records.append(record)
-
-    checks = {"max_in_flight": max_in_flight, "concurrency": cell.batch_size}
-    if speculative:
-        correction = raw_sum - kept_sum
-        checks.update({
-            "engine_counters": _counts_dict(counts),
-            "per_request_sum": _counts_dict(raw_sum),
-            "engine_matches_requests": _counts_dict(counts) == _counts_dict(raw_sum),
-            "tokens_cut_after_end": cut_tokens,
-            "requests_without_step_match": unmatched,
-            "correction": _counts_dict(correction),
-        })
-        counts = counts - correction
-        counts.accepted_at = list(counts.accepted_at)[:k]
-    figures = cell_figures(counts, lengths, ttfts, lats, wall)
-    return CellResult(cell, figures, outputs, records, checks)
-
-
 async def _warm_up(engine, spec, prompt_ids: list[list[int]], tag: str):
     if spec.warmup_requests <= 0 or not prompt_ids:
         return
     requests = [(prompt_ids[i % len(prompt_ids)],
                  {"temperature": 0.0, "max_tokens": spec.max_new_tokens, "n": 1},
                  f"warmup|{tag}|{i}") for i in range(spec.warmup_requests)]
-    await _run_concurrent(engine, requests, max(spec.batch_sizes))
+    await run_concurrent(engine, requests, max(spec.batch_sizes))
 
 
 # --------------------------------------------------------------------------- the run
@@ -372,18 +185,69 @@ def validate_job(job: MeasureJob):
                 raise ValueError(f"prompt {item.id!r} of task {task.task!r} has no turns")
 
 
-def iter_cells(job: MeasureJob, log=print) -> Iterator[CellResult | dict]:
+class _Engines:
+    """The run's engines by k: started on demand, shut down when no longer needed."""
+
+    def __init__(self, job, info, loop, warm_ids, log):
+        from worker.engines.vllm_engine import VllmEngine
+
+        self._cls, self.job, self.loop, self.log = VllmEngine, job, loop, log
+        self.configs = _speculative_configs(job)
+        self.args, self.warm_ids = info["engine_args"], warm_ids
+        self.alive: dict = {}
+
+    def need(self, ks):
+        for k in [k for k in self.alive if k not in ks]:
+            self.alive.pop(k).shutdown()
+        for k in ks:
+            if k in self.alive:
+                continue
+            spec = self.job.spec
+            what = f"{self.job.drafter.method} k={k}" if k else "the baseline"
+            self.log(f"starting vLLM for {what} ...")
+            t0 = time.monotonic()
+            engine = self._cls(self.args, self.configs[k], spec.hardware)
+            self.alive[k] = engine
+            self.loop.run_until_complete(engine.start())
+            self.loop.run_until_complete(_warm_up(engine, spec, self.warm_ids, f"k{k}"))
+            self.log(f"engine ready in {time.monotonic() - t0:.0f} s "
+                     f"({spec.warmup_requests} warm-up requests done)")
+        return self.alive
+
+    def shutdown(self):
+        while self.alive:
+            _, engine = self.alive.popitem()
+            try:
+                engine.shutdown()
+            except Exception as e:  # noqa: BLE001 - do not hide the original error
+                self.log(f"engine shutdown failed: {e}")
+
+
+def _sampler():
+    from worker.hostload import HostLoadSampler
+
+    return HostLoadSampler()
+
+
+def iter_cells(job: MeasureJob, log=print, host_lock_path=None) -> Iterator[CellResult | dict]:
     """Yield {"type": "started", **engine_info(job)}, then one CellResult per measured cell
-    (measurement_order(job)). Owns the engines: one per k, shut down when done, on an
-    exception, or when the generator is closed."""
+    (measurement_order(job)). Owns the engines: shut down when done, on an exception, or
+    when the generator is closed. With ``host_lock_path`` holds worker.hostlock.HostLock
+    for the whole measurement."""
     validate_job(job)
     info = engine_info(job)
     yield {"type": "started", **info}
-    order = measurement_order(job)
-    if not order:
-        return
+    groups = measurement_groups(job)
+    with contextlib.ExitStack() as lock:
+        if host_lock_path:
+            from worker.hostlock import HostLock
 
-    from worker.engines.vllm_engine import VllmEngine
+            lock.enter_context(HostLock(host_lock_path, log=log))
+        if groups:
+            yield from _measure_groups(job, info, groups, log)
+
+
+def _measure_groups(job, info, groups, log):
 
     spec = job.spec
     tokenizer = load_tokenizer(job.target_path)
@@ -391,46 +255,43 @@ def iter_cells(job: MeasureJob, log=print) -> Iterator[CellResult | dict]:
     prompt_ids = {task: {item.id: render_prompt(tokenizer, item, spec.chat_template)
                          for item in items} for task, items in job.prompts.items()}
     warm_ids = [ids for task in spec.tasks for ids in prompt_ids[task.task].values()]
-    speculative = job.drafter.method != "baseline"
-    configs = _speculative_configs(job)
-    engine_args = info["engine_args"]
+    prefix_caching = bool(info["engine_args"].get("enable_prefix_caching"))
 
     loop = asyncio.new_event_loop()
-    engine = None
-    total, done, t_start = len(order), 0, time.monotonic()
+    total, done, t_start = sum(len(g) for g in groups), 0, time.monotonic()
+    engines = None
     try:
-        groups = {}
-        for cell in order:
-            groups.setdefault(cell.k, []).append(cell)
-        for k, cells in groups.items():
-            what = f"{job.drafter.method} k={k}" if speculative else "baseline"
-            log(f"starting vLLM for {what} ({len(cells)} cells) ...")
-            t0 = time.monotonic()
-            engine = VllmEngine(engine_args, configs[k], spec.hardware)
-            loop.run_until_complete(engine.start())
-            loop.run_until_complete(_warm_up(engine, spec, warm_ids, f"k{k}"))
-            log(f"engine ready in {time.monotonic() - t0:.0f} s "
-                f"({spec.warmup_requests} warm-up requests done)")
-            for cell in cells:
-                result = loop.run_until_complete(measure_cell(
-                    engine, cell, spec, job.prompts[cell.task], prompt_ids[cell.task],
-                    eos_ids, speculative))
+        engines = _Engines(job, info, loop, warm_ids, log)
+        for group in groups:
+            alive = engines.need(sorted(_speculative_configs(job)) if is_paired(job)
+                                 else [group[0].k])
+            passes = {cell: [] for cell in group}
+            for rep in range(spec.repetitions):
+                for cell in group:
+                    passes[cell].append(loop.run_until_complete(measure_pass(
+                        alive[cell.k], cell, spec, job.prompts[cell.task],
+                        prompt_ids[cell.task], rep, cell.k > 0, _sampler())))
+            for cell in group:
+                engine = alive[cell.k]
+                actual = getattr(engine, "prefix_caching", None)
+                result = cell_result(cell, passes[cell], eos_ids, cell.k > 0,
+                                     prefix_caching if actual is None else actual,
+                                     len(job.prompts[cell.task]))
                 done += 1
                 f = result.figures
                 al = f["acceptance_length"]
                 log(f"cell {done}/{total} {cell.task} b={cell.batch_size} "
                     f"T={cell.temperature:g} k={cell.k}: {f['generated_tokens']} tokens in "
-                    f"{f['wall_seconds']:.1f} s ({f['output_throughput'] or 0:.1f} tok/s)"
-                    + (f", AL {al:.2f}" if al is not None else ""))
+                    f"{f['wall_seconds']:.1f} s ({f['output_throughput'] or 0:.1f} tok/s"
+                    f" over {f['repetitions']} passes)"
+                    + (f", AL {al:.2f}, tokens/step {f['tokens_per_step']:.2f}"
+                       if al is not None else "")
+                    + ("" if result.checks["ok"] else
+                       f"; checks failed: {'; '.join(result.checks['failed'])}"))
                 yield result
-            engine.shutdown()
-            engine = None
     finally:
-        if engine is not None:
-            try:
-                engine.shutdown()
-            except Exception as e:  # noqa: BLE001 - do not hide the original error
-                log(f"engine shutdown failed: {e}")
+        if engines is not None:
+            engines.shutdown()
         try:
             loop.run_until_complete(asyncio.sleep(0))
             pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
@@ -446,12 +307,14 @@ def iter_cells(job: MeasureJob, log=print) -> Iterator[CellResult | dict]:
 # --------------------------------------------------------------------------- protocol files
 
 def select_prompts(parsed, task) -> list[PromptItem]:
-    """The task's prompts: those of its categories (all if none), the first N in file order."""
-    wanted = set(task.categories)
-    chosen = [p for p in parsed.prompts if not wanted or p.category in wanted][: task.prompts]
-    if len(chosen) < task.prompts:
-        raise ValueError(f"task {task.task!r} needs {task.prompts} prompts; {parsed.path} has "
-                         f"{len(chosen)}" + (f" in categories {sorted(wanted)}" if wanted else ""))
+    """The task's prompts, chosen by worker.prompts.select_task_prompts (its selection rule)."""
+    from worker.prompts import select_task_prompts
+
+    try:
+        chosen = select_task_prompts(parsed.prompts, task.categories, task.prompts,
+                                     task.selection)
+    except ValueError as e:
+        raise ValueError(f"task {task.task!r}: {parsed.path}: {e}") from None
     return [PromptItem(p.external_id, list(p.turns)) for p in chosen]
 
 
@@ -514,7 +377,7 @@ def parse_drafter(text: str, params: list[str]) -> DrafterSpec:
 def _cell_row(result: CellResult) -> dict:
     c = result.cell
     return {"task": c.task, "batch_size": c.batch_size, "temperature": c.temperature,
-            "k": c.k, **result.figures}
+            "k": c.k, **result.figures, "checks": result.checks}
 
 
 def _write_json(path: Path, data):
@@ -557,6 +420,9 @@ def cli(args) -> int:
                       f"{event['engine_version']} on {event['hardware_description']}",
                       flush=True)
                 continue
+            # A group measured again whole yields cells already in rows: replace them.
+            rows = [r for r in rows if (r["task"], r["batch_size"], float(r["temperature"]),
+                                        r["k"]) != event.cell.key]
             rows.append(_cell_row(event))
             _write_json(cells_path, rows)
             with gzip.open(requests_path, "at") as f:
@@ -573,3 +439,24 @@ def cli(args) -> int:
         return 1
     print(f"wrote {cells_path} ({len(rows)} cells) and {requests_path}", flush=True)
     return 0
+
+
+def cell_figures(counts, output_lengths: list[int], ttfts: list, latencies: list,
+                 wall_seconds: float) -> dict:
+    """The protocol-v1 figures of a cell from its counts and per-request timings (the
+    analyses' synthetic cells use it); a worker's cells come from worker.cell.cell_result."""
+    from worker import metrics
+
+    generated = sum(output_lengths)
+    tpots = [metrics.tpot(lat, t, n) if t is not None else None
+             for lat, t, n in zip(latencies, ttfts, output_lengths)]
+    ttft_s, tpot_s = metrics.summary(ttfts), metrics.summary(tpots)
+    return {
+        "requests": len(output_lengths),
+        "generated_tokens": generated,
+        "wall_seconds": wall_seconds,
+        **metrics.acceptance_figures(counts),
+        "output_throughput": metrics.output_throughput(generated, wall_seconds),
+        **{f"ttft_{q}": ttft_s[q] for q in ("mean", "p50", "p90", "p99")},
+        **{f"tpot_{q}": tpot_s[q] for q in ("mean", "p50", "p90", "p99")},
+    }

@@ -137,3 +137,36 @@ def sort_key(external_id: str):
     """Numeric ids sort as numbers, others (HumanEval/12) by their numeric tail."""
     tail = external_id.rsplit("/", 1)[-1]
     return (0, int(tail), external_id) if tail.isdigit() else (1, 0, external_id)
+
+
+def select_task_prompts(prompts, categories, n: int, selection: str = "first") -> list:
+    """The n prompts a task measures. ``prompts`` have ``.external_id`` and ``.category``
+    and come in file order; ``categories`` are the task's (empty: every category).
+
+    - ``first``: the first n prompts of those categories, in file order.
+    - ``stratified``: taken in turn from each category (in the task's listed order, or in
+      order of first appearance in the file when it lists none), in file order within a
+      category; a category that runs out is skipped. With 10 prompts in each of 4 categories
+      and n = 8, each category gives 2.
+
+    Raises ValueError when fewer than n prompts qualify."""
+    wanted = list(dict.fromkeys(categories or ()))
+    pool = [p for p in prompts if not wanted or p.category in wanted]
+    if len(pool) < n:
+        raise ValueError(f"the task needs {n} prompts; the prompt set has {len(pool)}"
+                         + (f" in categories {sorted(wanted)}" if wanted else ""))
+    if selection == "first":
+        return pool[:n]
+    if selection != "stratified":
+        raise ValueError(f"unknown prompt selection {selection!r}")
+    by_category: dict[str, list] = {}
+    for p in pool:
+        by_category.setdefault(p.category, []).append(p)
+    order = wanted or list(by_category)
+    queues = [list(by_category.get(c, [])) for c in order]
+    chosen = []
+    while len(chosen) < n:
+        for q in queues:
+            if q and len(chosen) < n:
+                chosen.append(q.pop(0))
+    return chosen

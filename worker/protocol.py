@@ -16,21 +16,44 @@ from dataclasses import asdict, dataclass, field
 # depend on the run. This is written on the protocol page.
 MULTI_TURN_FIRST_TURN = "first_turn"
 
+# How a task's N prompts are chosen from its prompt set (part of the hash):
+# - "first": the first N prompts of the task's categories (all when none), in file order (v1).
+# - "stratified": taken in turn from each of the task's categories (in the order the task
+#   lists them; in order of first appearance in the file when it lists none), in file order
+#   within a category; a category that runs out is skipped. Every named category is measured.
+SELECTIONS = ("first", "stratified")
+
+# How a drafter cell's speedup is referenced (part of the hash):
+# - "paired": every drafter run measures the baseline (k=0) cells itself, interleaved with
+#   its own cells pass by pass, and divides by them.
+# - "shared": one baseline run per protocol, engine version and hardware class (v1).
+BASELINES = ("paired", "shared")
+
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """One task of a protocol: the first `prompts` prompts of a prompt set (by id),
-    optionally only those of some categories."""
+    """One task of a protocol: `prompts` prompts of a prompt set, optionally only those of
+    some categories, chosen by `selection` (see SELECTIONS)."""
 
     task: str
     prompt_set: str
     prompt_set_sha256: str
     prompts: int
     categories: tuple[str, ...] = ()
+    selection: str = "first"
+
+    def __post_init__(self):
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"invalid protocol: task {self.task!r}: selection must be one of "
+                             f"{', '.join(SELECTIONS)}, not {self.selection!r}")
+        if self.prompts < 1:
+            raise ValueError(f"invalid protocol: task {self.task!r} needs at least one prompt")
 
     def to_dict(self):
         d = asdict(self)
         d["categories"] = list(self.categories)
+        if self.selection == "first":   # v1 meaning: left out so v1 hashes do not change
+            del d["selection"]
         return d
 
 
@@ -53,6 +76,8 @@ class ProtocolSpec:
     chat_template: bool = True
     multi_turn: str = MULTI_TURN_FIRST_TURN
     engine_args: dict = field(default_factory=dict)
+    baseline: str = "paired"
+    max_drift: float = 0.05
 
     def __post_init__(self):
         problems = []
@@ -70,6 +95,18 @@ class ProtocolSpec:
             problems.append("repetitions must be >= 1")
         if len({t.task for t in self.tasks}) != len(self.tasks):
             problems.append("task names must be unique")
+        if self.baseline not in BASELINES:
+            problems.append(f"baseline must be one of {', '.join(BASELINES)}, "
+                            f"not {self.baseline!r}")
+        if not (isinstance(self.max_drift, (int, float)) and 0 < self.max_drift < 1):
+            problems.append("max_drift must be a fraction between 0 and 1")
+        if self.batch_sizes and all(b >= 1 for b in self.batch_sizes):
+            largest = max(self.batch_sizes)
+            for t in self.tasks:
+                if t.prompts < largest:
+                    problems.append(f"task {t.task!r} has {t.prompts} prompts, fewer than the "
+                                    f"largest batch size {largest}: its cells could not keep "
+                                    f"{largest} requests in flight")
         if problems:
             raise ValueError("invalid protocol: " + "; ".join(problems))
 
@@ -92,6 +129,9 @@ class ProtocolSpec:
             "chat_template": self.chat_template,
             "multi_turn": self.multi_turn,
             "engine_args": dict(self.engine_args),
+            # Left out when shared (the v1 meaning), so v1 hashes do not change.
+            **({"baseline": self.baseline, "max_drift": float(self.max_drift)}
+               if self.baseline != "shared" else {}),
         }
 
     @classmethod
@@ -100,6 +140,9 @@ class ProtocolSpec:
         d["tasks"] = tuple(
             TaskSpec(**{**t, "categories": tuple(t.get("categories", ()))}) for t in d["tasks"]
         )
+        d.setdefault("baseline", "shared")   # every v1 protocol
+        if d["baseline"] == "shared":
+            d.pop("max_drift", None)
         for key in ("temperatures", "batch_sizes", "ks"):
             if key in d:
                 d[key] = tuple(d[key])
@@ -122,6 +165,21 @@ class ProtocolSpec:
             for b in self.batch_sizes
             for k in ks
         ]
+
+    def run_cells(self, method: str):
+        """The cells a run of `method` measures: the baseline its k=0 cells; a drafter its k
+        cells, and under a paired protocol also the k=0 cells it divides by."""
+        if method == "baseline":
+            return self.cells(with_drafter=False)
+        if self.baseline == "paired":
+            return sorted(self.cells(with_drafter=False) + self.cells(with_drafter=True),
+                          key=self._cell_rank)
+        return self.cells(with_drafter=True)
+
+    def _cell_rank(self, cell):
+        names = [t.task for t in self.tasks]
+        return (names.index(cell.task), list(self.temperatures).index(cell.temperature),
+                list(self.batch_sizes).index(cell.batch_size), [0, *self.ks].index(cell.k))
 
 
 @dataclass(frozen=True, order=True)

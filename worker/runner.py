@@ -53,11 +53,12 @@ def _watch_parent(parent_pid):
 def _child_main(events_fd: int, parent_pid: int):
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     events = Connection(events_fd, readable=False)
-    job = pickle.load(sys.stdin.buffer)
+    job, host_lock_path = pickle.load(sys.stdin.buffer)
     from worker.measure import iter_cells
 
     try:
-        for event in iter_cells(job, log=lambda m: print(m, flush=True)):
+        for event in iter_cells(job, log=lambda m: print(m, flush=True),
+                                host_lock_path=host_lock_path):
             events.send(event)
         events.send({"type": "done"})
     except BaseException as e:  # noqa: BLE001 - everything must reach the parent
@@ -75,9 +76,11 @@ def _wait_quietly(process, seconds):
         pass
 
 
-def run_job_in_child(job, log_path, on_event, should_stop, poll_seconds=2.0):
+def run_job_in_child(job, log_path, on_event, should_stop, poll_seconds=2.0,
+                     host_lock_path=None):
     """Measure `job` in a child process. Calls on_event(event) for each event and
-    should_stop() between events and every poll; returns "done" or "stopped".
+    should_stop() between events and every poll; returns "done" or "stopped". With
+    ``host_lock_path`` the child holds the host lock (worker.hostlock) while it measures.
     Raises ChildFailed when the measurement fails or the child dies."""
     read_fd, write_fd = os.pipe()
     with open(log_path, "ab") as log:
@@ -89,7 +92,7 @@ def run_job_in_child(job, log_path, on_event, should_stop, poll_seconds=2.0):
     os.close(write_fd)
     events = Connection(read_fd, writable=False)
     try:
-        process.stdin.write(pickle.dumps(job))
+        process.stdin.write(pickle.dumps((job, host_lock_path)))
         process.stdin.close()
         while True:
             if not events.poll(poll_seconds):

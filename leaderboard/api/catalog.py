@@ -84,6 +84,11 @@ class PromptSetUse(Out):
     set_count: int = Field(description="prompts in the set")
     available: int = Field(description="prompts in the categories used")
     category_counts: dict[str, int] = Field(description="prompts per category")
+    selection: str = Field(description="first (first N in file order) or stratified (in "
+                                       "turn from each named category)")
+    prompt_ids: dict[str, list[str]] = Field(description="the prompt ids measured, per "
+                                                         "category")
+    prompt_ids_error: str = Field(description="why the prompts cannot be chosen (empty: ok)")
 
 
 class ProtocolDetailOut(Out):
@@ -99,6 +104,16 @@ class ProtocolDetailOut(Out):
     succeeded_runs: int = Field(description="succeeded runs")
     cells_per_drafter_run: int = Field(description="cells in a drafter run's grid")
     cells_per_baseline_run: int = Field(description="cells in the baseline run's grid")
+    baseline_mode: str = Field(description="paired (each drafter run measures its own "
+                                           "baseline) or shared")
+    baseline_rule: str = Field(description="which baseline cells a speedup divides by")
+    pinned_rule: str = Field(description="what happens to stored speedups when a shared "
+                                         "baseline is re-measured")
+    repetitions: int = Field(description="passes over the prompts per cell")
+    max_drift: float = Field(description="a paired run whose baseline passes drift more is "
+                                         "flagged")
+    interval_method: str = Field(description="how the 95% intervals are computed")
+    aggregate_interval_method: str = Field(description="intervals over several cells")
 
 
 @router.get("/targets", response=list[TargetOut], tags=["reads"], summary="Target models")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from django.db import connection
 from django.http import StreamingHttpResponse
@@ -68,10 +68,35 @@ class ResultOut(Out):
     lossless_share: Optional[float] = Field(description="at temperature 0: share of requests "
                                                         "equal to the baseline's output")
     measured_at: str = Field(description="when the cell was measured (ISO 8601, UTC)")
+    repetitions: Optional[int] = Field(description="passes over the prompts (null before v2)")
+    decode_tokens: Optional[int] = Field(description="tokens emitted by decode steps")
+    decode_steps: Optional[int] = Field(description="decode steps, those that drafted "
+                                                    "nothing included")
+    tokens_per_step: Optional[float] = Field(description="decode tokens / decode steps, steps "
+                                                         "that drafted nothing included (1.0 "
+                                                         "for the baseline): compare this "
+                                                         "across methods")
+    engine_acceptance_length: Optional[float] = Field(description="AL from vLLM's own "
+                                                                  "counters, uncorrected (what "
+                                                                  "vllm bench serve prints)")
+    output_throughput_low: Optional[float] = Field(description="95% interval, low")
+    output_throughput_high: Optional[float] = Field(description="95% interval, high")
+    acceptance_length_low: Optional[float] = Field(description="95% interval, low")
+    acceptance_length_high: Optional[float] = Field(description="95% interval, high")
+    speedup_low: Optional[float] = Field(description="95% interval of the speedup, low "
+                                                     "(paired bootstrap with its baseline cell)")
+    speedup_high: Optional[float] = Field(description="95% interval of the speedup, high")
+    pass_throughputs: Optional[list[float]] = Field(description="throughput of each pass")
+    host_load: Optional[float] = Field(description="CPU cores used by other processes while "
+                                                   "the cell was measured (mean)")
+    loaded: Optional[bool] = Field(description="host_load above 0.5 cores")
+    checks: Optional[dict[str, Any]] = Field(description="the cell's self-checks")
     baseline_result_id: Optional[int] = Field(description="the baseline cell speedup divides by")
-    tokens_per_step: Optional[float] = Field(description="decode tokens / decode steps "
-                                                         "(from the raw records; null "
-                                                         "without them and for the baseline)")
+    baseline_run_id: Optional[int] = Field(description="its run (the same run when paired)")
+    run_drift: Optional[float] = Field(description="the run's drift between baseline passes")
+    run_drift_flagged: Optional[bool] = Field(description="drift above the protocol's limit")
+    checks_ok: Optional[bool] = Field(description="every self-check passed (null before v2)")
+    checks_failed: Optional[list[str]] = Field(description="the reasons of failed checks")
     predicted_speedup: Optional[float] = Field(description="tokens per step x t_fwd(b) / "
                                                            "(draft cost + t_fwd(b, k+1)), "
                                                            "cost model of the baseline run")

@@ -70,6 +70,10 @@ class RunOut(Out):
     started_at: Optional[datetime] = Field(description="when a worker first claimed it")
     heartbeat_at: Optional[datetime] = Field(description="last sign of life of its worker")
     finished_at: Optional[datetime] = Field(description="when it finished")
+    drift: Optional[float] = Field(description="paired runs: (max - min) / mean of the "
+                                               "baseline passes' throughputs, the largest over "
+                                               "its baseline cells; null otherwise")
+    drift_flagged: bool = Field(description="drift above the protocol's max_drift")
 
 
 class RunPage(PageOut):

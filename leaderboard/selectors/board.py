@@ -6,15 +6,15 @@ from collections import defaultdict
 
 from django.db.models import Count, Max, Q
 
-from worker import metrics
-
 from ..models import Protocol, Result, Run
-from .shapes import (ALL, HIDDEN_REVIEW_STATES, METHOD_LABELS, fast_url, figures_from_sums,
-                     protocol_summary, sum_annotations, unprefix)
+from . import speedups
+from .shapes import (ALL, HIDDEN_REVIEW_STATES, METHOD_LABELS, aggregate_cells, fast_url,
+                     figures_from_sums, protocol_summary, sum_annotations, unprefix)
 
 
 SORT_KEYS = ("name", "method", "k", "batch_size", "temperature", "acceptance_length",
-             "acceptance_rate", "output_throughput", "speedup", "lossless_share")
+             "tokens_per_step", "acceptance_rate", "output_throughput", "speedup",
+             "lossless_share")
 RUN_FIELDS = ("id", "drafter_id", "engine_version", "hardware", "hardware_description",
               "artifact", "queued_at")
 DRAFTER_FIELDS = ("slug", "name", "method", "owner_id", "owner__username", "review_state",
@@ -90,58 +90,64 @@ def leaderboard(protocol: Protocol, *, task: str | None = None, batch_size: int 
     run_by_id = {r["id"]: r for r in drafter_runs}
     run_by_id.update({r["id"]: r for r in baselines.values()})
 
-    rows_qs = Result.objects.filter(run__protocol=protocol, run__state=Run.SUCCEEDED)
-    if task:
-        rows_qs = rows_qs.filter(task=task)
-    if batch_size is not None:
-        rows_qs = rows_qs.filter(batch_size=batch_size)
-    if temperature is not None:
-        rows_qs = rows_qs.filter(temperature=temperature)
+    def narrowed(qs):
+        if task:
+            qs = qs.filter(task=task)
+        if batch_size is not None:
+            qs = qs.filter(batch_size=batch_size)
+        if temperature is not None:
+            qs = qs.filter(temperature=temperature)
+        return qs
+
+    # Drafter rows: the cells (k > 0) of each drafter's newest succeeded run, each divided
+    # by the baseline cell stored with it (selectors.speedups). Three queries.
+    drafter_ids = [r["id"] for r in drafter_runs]
+    cells_qs = narrowed(Result.objects.filter(run_id__in=drafter_ids, k__gt=0))
     if k is not None:
-        rows_qs = rows_qs.filter(k__in=[k, 0])
-    groups = (rows_qs.values("run_id", "batch_size", "temperature", "k")
-              .annotate(**sum_annotations()).order_by())
+        cells_qs = cells_qs.filter(k=k)
+    by_group = defaultdict(list)
+    for r in cells_qs.order_by("task"):
+        by_group[(r.run_id, r.batch_size, float(r.temperature), r.k)].append(r.as_cell_dict())
+    pinned = speedups.pinned_for([c for cells in by_group.values() for c in cells])
 
-    base_figs, drafter_groups = {}, []
-    for g in map(unprefix, groups):
-        run = run_by_id.get(g["run_id"])
-        if run is None:  # an older run of a drafter, or of a hidden one
-            continue
-        figs = {**g, **figures_from_sums(g)}
-        if run["drafter"] is None:
-            base_figs[(g["run_id"], g["batch_size"], float(g["temperature"]))] = figs
-        else:
-            drafter_groups.append(figs)
-
-    def row(run, g, base):
-        base_thr = base["output_throughput"] if base else None
+    def row(run, g, base_thr, extra=None):
         return {
             "drafter": run["drafter"], "run_id": run["id"], "task": task or ALL,
             "batch_size": g["batch_size"], "temperature": float(g["temperature"]),
             "k": g["k"], "cells": g["cells"], "requests": g["requests"],
             "acceptance_length": g["acceptance_length"], "acceptance_rate": g["acceptance_rate"],
-            "output_throughput": g["output_throughput"],
-            "speedup": (metrics.speedup(g["output_throughput"], base_thr)
-                        if run["drafter"] else None),
+            "output_throughput": g["output_throughput"], "speedup": None,
             "lossless_share": g["lossless_share"], "baseline_throughput": base_thr,
             "engine_version": run["engine_version"],
             "hardware_description": run["hardware_description"],
-            "artifact_url": run["artifact_url"],
+            "artifact_url": run["artifact_url"], **(extra or {}),
         }
 
     rows = []
-    for g in drafter_groups:
-        run = run_by_id[g["run_id"]]
-        base_run = baselines.get(run["engine_version"])
-        base = base_figs.get((base_run["id"], g["batch_size"], float(g["temperature"]))) \
-            if base_run else None
-        rows.append(row(run, g, base))
+    for (run_id, b, t, kk), cells in by_group.items():
+        run = run_by_id[run_id]
+        g = {**aggregate_cells(cells, ("batch_size", "temperature", "k"))[(b, t, kk)],
+             "batch_size": b, "temperature": t, "k": kk}
+        mine = pinned.get(run_id, {})
+        figs = speedups.pooled(cells, mine)
+        base_runs = speedups.baseline_runs_of({speedups.cell_key(c): mine[speedups.cell_key(c)]
+                                               for c in cells if speedups.cell_key(c) in mine})
+        figs["baseline_runs"] = [{"id": i, "url": fast_url("run", i), "same_run": i == run_id}
+                                 for i in base_runs]
+        figs["paired"] = base_runs == [run_id]
+        rows.append(row(run, g, figs.pop("baseline_throughput"), figs))
+
+    # The newest succeeded shared baseline run's cells, for reference (paired protocols
+    # have none: each drafter run holds its own).
     baseline_rows = []
     newest_base = max(baselines.values(), key=lambda r: (r["queued_at"], r["id"]), default=None)
     if newest_base is not None:
-        for (run_id, b, t), g in sorted(base_figs.items(), key=lambda kv: kv[0][1:]):
-            if run_id == newest_base["id"]:
-                baseline_rows.append(row(newest_base, g, g))
+        groups = (narrowed(Result.objects.filter(run_id=newest_base["id"]))
+                  .values("run_id", "batch_size", "temperature", "k")
+                  .annotate(**sum_annotations()).order_by("batch_size", "temperature"))
+        for g in map(unprefix, groups):
+            figs = {**g, **figures_from_sums(g)}
+            baseline_rows.append(row(newest_base, figs, figs["output_throughput"]))
 
     sort = sort if sort in SORT_KEYS else "speedup"
 
@@ -156,6 +162,8 @@ def leaderboard(protocol: Protocol, *, task: str | None = None, batch_size: int 
     present = [r for r in rows if value(r) is not None]
     present.sort(key=lambda r: (value(r), r["drafter"]["name"].lower()), reverse=descending)
     rows = present + [r for r in rows if value(r) is None]
+    if sort == "speedup" and descending:
+        speedups.mark_ties(rows)
 
     runs_info = sorted({(r["engine_version"], r["hardware_description"], r["hardware"])
                         for r in run_by_id.values()})
@@ -187,20 +195,20 @@ def compare(protocol: Protocol, slugs: list[str]) -> dict:
 
     Returns {"protocol", "entries": [{"drafter", "run", "cells", "baseline_cells"}],
     "missing": [slugs without a succeeded run under the protocol]}."""
-    drafter_runs, baselines = latest_succeeded_runs(protocol, slugs=list(slugs))
+    drafter_runs, _ = latest_succeeded_runs(protocol, slugs=list(slugs))
     latest = {r["drafter"]["slug"]: r for r in drafter_runs}
     chosen = [latest[s] for s in slugs if s in latest]
-    base_runs = {r["id"]: baselines.get(r["engine_version"]) for r in chosen}
-    ids = {r["id"] for r in chosen} | {b["id"] for b in base_runs.values() if b}
+    ids = [r["id"] for r in chosen]
     by_run = defaultdict(list)
-    for res in (Result.objects.filter(run_id__in=ids)
+    for res in (Result.objects.filter(run_id__in=ids, k__gt=0)
                 .order_by("task", "batch_size", "temperature", "k")):
         by_run[res.run_id].append(res.as_cell_dict())
+    pinned = speedups.pinned_for([c for cells in by_run.values() for c in cells])
     entries = []
     for r in chosen:
-        base = base_runs[r["id"]]
+        mine = pinned.get(r["id"], {})
         entries.append({"drafter": r["drafter"], "run": r, "cells": by_run[r["id"]],
-                        "baseline_cells": by_run[base["id"]] if base else []})
+                        "baseline_cells": sorted(mine.values(), key=speedups.cell_key),
+                        "baseline_run_ids": speedups.baseline_runs_of(mine)})
     return {"protocol": protocol_summary(protocol), "entries": entries,
             "missing": [s for s in slugs if s not in latest]}
-

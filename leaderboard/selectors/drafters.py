@@ -7,6 +7,7 @@ from collections import Counter
 from django.db.models import Count, Max, Sum
 
 from ..models import Drafter, Result, Run
+from . import speedups
 from .shapes import (HIDDEN_REVIEW_STATES, drafter_summary, filtered, protocol_summary,
                      run_summary, training_summary)
 
@@ -22,6 +23,8 @@ def run_cells(run_id: int) -> list[dict]:
         base = r.baseline_result
         d["baseline_throughput"] = base.output_throughput if base else None
         d["baseline_tpot_mean"] = base.tpot_mean if base else None
+        d["baseline_run_id"] = base.run_id if base else None
+        d["baseline_same_run"] = bool(base) and base.run_id == r.run_id
         out.append(d)
     return out
 
@@ -97,25 +100,29 @@ def drafter_signature(overview: dict) -> tuple | None:
 
 
 def drafter_results(overview: dict) -> dict:
-    """The shown run's cells and the baseline cells its speedups divide by (the baseline
-    run its cells point to, else the newest succeeded baseline of the same protocol,
-    hardware class and engine version). Up to three queries.
+    """The shown run's drafter cells (k > 0) and the baseline cells their speedups divide
+    by: the cells stored with them (Result.baseline_result; under a paired protocol the
+    run's own k = 0 cells). Up to four queries.
 
-    Returns {"cells", "baseline_run", "baseline_cells"}."""
+    Returns {"cells", "baseline_run", "baseline_cells", "baseline_paired"}."""
     run = overview["_run"]
     if run is None:
-        return {"cells": [], "baseline_run": None, "baseline_cells": []}
+        return {"cells": [], "baseline_run": None, "baseline_cells": [],
+                "baseline_paired": False}
     cells = run_cells(run.pk)
-    base_ids = Counter(c["baseline_result_id"] for c in cells if c["baseline_result_id"])
-    qs = _baseline_candidates(run).select_related("protocol")
-    if base_ids:
-        qs = qs.filter(results__id=base_ids.most_common(1)[0][0])
-    else:
-        qs = qs.filter(state=Run.SUCCEEDED, engine_version=run.engine_version)
-    baseline_run = qs.order_by("-queued_at").first()
-    return {"cells": cells,
+    drafter_cells = [c for c in cells if c["k"] > 0]
+    pinned = speedups.pinned_for(drafter_cells).get(run.pk, {})
+    base_ids = speedups.baseline_runs_of(pinned)
+    baseline_run = (Run.objects.select_related("protocol").filter(pk=base_ids[-1]).first()
+                    if base_ids else None)
+    if not pinned:  # nothing divided yet: the run's own k = 0 cells (paired) are shown
+        own = [c for c in cells if c["k"] == 0]
+        return {"cells": drafter_cells, "baseline_run": run_summary(run) if own else None,
+                "baseline_cells": own, "baseline_paired": bool(own)}
+    return {"cells": drafter_cells,
             "baseline_run": run_summary(baseline_run) if baseline_run else None,
-            "baseline_cells": run_cells(baseline_run.pk) if baseline_run else []}
+            "baseline_cells": sorted(pinned.values(), key=speedups.cell_key),
+            "baseline_paired": base_ids == [run.pk]}
 
 
 def drafter_page(slug: str, protocol_ref: str | None = None) -> dict | None:

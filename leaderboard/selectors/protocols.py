@@ -10,6 +10,10 @@ from django.db.models import Count, Exists, OuterRef, Q
 import worker.protocol
 from worker import metrics
 
+from worker import intervals
+
+from ..services.baselines import PAIRED_RULE, PINNED_RULE
+from . import speedups
 from ..models import Prompt, PromptSet, Protocol, Result, Run, Target
 from .shapes import protocol_summary
 
@@ -70,6 +74,7 @@ def protocol_detail(p: Protocol) -> dict:
     for row in (Prompt.objects.filter(prompt_set__slug__in=slugs)
                 .values("prompt_set__slug", "category").annotate(n=Count("id"))):
         per_category[row["prompt_set__slug"]][row["category"]] = row["n"]
+    chosen = p.task_prompts()
     tasks = []
     for t in spec["tasks"]:
         ps = sets.get(t["prompt_set"])
@@ -85,6 +90,9 @@ def protocol_detail(p: Protocol) -> dict:
             "sha256_matches": bool(ps and ps.source_sha256 == t["prompt_set_sha256"]),
             "set_count": sum(cats.values()), "available": available,
             "category_counts": dict(sorted(cats.items())),
+            "selection": chosen[t["task"]]["selection"],
+            "prompt_ids": chosen[t["task"]]["categories"],
+            "prompt_ids_error": chosen[t["task"]]["error"],
         })
     counts = Run.objects.filter(protocol=p).aggregate(
         runs=Count("id"), succeeded=Count("id", filter=Q(state=Run.SUCCEEDED)))
@@ -93,8 +101,14 @@ def protocol_detail(p: Protocol) -> dict:
         "sha256": p.sha256, "tasks": tasks, "multi_turn": spec.get("multi_turn"),
         "multi_turn_policy": multi_turn_policy(), "metrics": metrics.definitions(),
         "runs": counts["runs"], "succeeded_runs": counts["succeeded"],
-        "cells_per_drafter_run": len(p.spec_obj.cells(with_drafter=True)),
+        "cells_per_drafter_run": len(p.spec_obj.run_cells("drafter")),
         "cells_per_baseline_run": len(p.spec_obj.cells(with_drafter=False)),
+        "baseline_mode": p.spec_obj.baseline,
+        "baseline_rule": PAIRED_RULE if p.spec_obj.baseline == "paired" else PINNED_RULE,
+        "pinned_rule": PINNED_RULE,
+        "repetitions": p.spec_obj.repetitions, "max_drift": p.spec_obj.max_drift,
+        "interval_method": intervals.__doc__.strip(),
+        "aggregate_interval_method": speedups.__doc__.strip(),
     }
 
 

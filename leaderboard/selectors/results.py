@@ -4,7 +4,8 @@ so a page and the export show the same fields under the same names."""
 from __future__ import annotations
 
 from django.db import connection
-from django.db.models import F, Func, TextField, Value
+from django.db.models import BooleanField, Case, F, Func, TextField, Value, When
+from django.db.models.fields.json import KeyTransform
 from django.db.models.functions import Cast, Coalesce
 
 from worker.analysis import EXPORT_COLUMNS
@@ -20,9 +21,14 @@ RESULT_PROVENANCE = (
 # The columns of a result row, in export order: provenance, then the cell, then what "When
 # does it pay?" computed from the run's raw records (worker.analysis, stored by the run
 # service when the run succeeds; null where there are none).
-RESULT_COLUMNS = (RESULT_PROVENANCE + Result.CELL_FIELDS + ("baseline_result_id",)
-                  + EXPORT_COLUMNS)
-RESULT_JSON_COLUMNS = ("accepted_at", "per_position_acceptance", "conditional_acceptance")
+# Then which baseline cell (and run) the speedup divides by, the run's drift, and the
+# cell's self-checks as two flat columns.
+RESULT_COLUMNS = (RESULT_PROVENANCE + Result.CELL_FIELDS
+                  + ("baseline_result_id", "baseline_run_id", "run_drift", "run_drift_flagged",
+                     "checks_ok", "checks_failed")
+                  + tuple(c for c in EXPORT_COLUMNS if c not in Result.CELL_FIELDS))
+RESULT_JSON_COLUMNS = ("accepted_at", "per_position_acceptance", "conditional_acceptance",
+                       "pass_throughputs", "checks", "checks_failed")
 BASELINE_METHOD = "baseline"
 
 
@@ -64,6 +70,12 @@ def _result_values(qs, json_as_text: bool, time_as_text: bool = False):
         hardware=F("run__hardware"), hardware_description=F("run__hardware_description"),
         run_state=F("run__state"), drafter=F("run__drafter__slug"),
         method=Coalesce(F("run__drafter__method"), Value(BASELINE_METHOD)),
+        baseline_run_id=F("baseline_result__run_id"), run_drift=F("run__drift"),
+        run_drift_flagged=F("run__drift_flagged"),
+        checks_ok=Case(When(checks__ok=True, then=Value(True)),
+                       When(checks__ok=False, then=Value(False)),
+                       default=Value(None), output_field=BooleanField()),
+        checks_failed=KeyTransform("failed", "checks"),
     )
     if json_as_text:
         provenance.update({f"{c}_text": Cast(c, TextField()) for c in RESULT_JSON_COLUMNS})

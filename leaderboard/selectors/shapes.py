@@ -93,6 +93,8 @@ def run_summary(run: Run, position: int | None = None) -> dict:
         "queued_at": run.queued_at, "started_at": run.started_at,
         "heartbeat_at": run.heartbeat_at, "finished_at": run.finished_at,
         "owner_id": run.drafter.owner_id if run.drafter_id else None,
+        "drift": run.drift, "drift_flagged": run.drift_flagged,
+        "url": fast_url("run", run.pk),
     }
 
 

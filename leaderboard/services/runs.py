@@ -35,6 +35,7 @@ from worker.runner import ChildFailed, log_tail, run_job_in_child
 from .. import records
 from ..celery import MEASURE_RUN, app
 from ..models import Drafter, Prompt, Protocol, Result, Run
+from .baselines import PAIRED, baseline_cell_for, baseline_mode, shared_baseline_exists
 
 log = logging.getLogger(__name__)
 
@@ -53,27 +54,29 @@ def enqueue(run: Run, countdown: float | None = None):
 
 
 def cells_for(protocol: Protocol, drafter: Drafter | None):
-    return protocol.spec_obj.cells(with_drafter=drafter is not None)
+    """The cells a run measures (ProtocolSpec.run_cells): under a paired protocol a drafter
+    run measures its k = 0 cells too."""
+    return protocol.spec_obj.run_cells(drafter.method if drafter is not None else "baseline")
 
 
-def baseline_run(protocol: Protocol, engine_version: str | None = None):
-    """The baseline run of a protocol that is not failed or cancelled (the newest)."""
-    qs = Run.objects.filter(protocol=protocol, drafter__isnull=True, hardware=protocol.hardware)
-    qs = qs.exclude(state__in=[Run.FAILED, Run.CANCELLED])
-    if engine_version:
-        qs = qs.filter(Q(engine_version=engine_version) | Q(engine_version=""))
-    return qs.order_by("-queued_at").first()
+def needs_shared_baseline(protocol: Protocol, drafter: Drafter | None,
+                          engine_version: str | None = None) -> bool:
+    """A drafter run under a shared protocol needs a baseline run (succeeded, queued or
+    running) of its hardware class (and engine version, once it is known); a paired one
+    measures its own."""
+    return (drafter is not None and baseline_mode(protocol) != PAIRED
+            and not shared_baseline_exists(protocol, engine_version))
 
 
 def queue_run(protocol: Protocol, drafter: Drafter | None, send=True) -> Run:
-    """Queue a run. A drafter run makes sure the protocol's baseline exists (queued first,
-    so a single worker measures it first; speedups of cells measured before it are filled
-    in when it finishes)."""
+    """Queue a run. A drafter run under a shared protocol makes sure a baseline run exists
+    (queued first, so a single worker measures it first; speedups of cells measured before
+    it are filled in when it finishes); under a paired protocol it measures its own."""
     if drafter is not None and drafter.target_id != protocol.target_id:
         raise RunError(f"drafter {drafter.slug} is for target {drafter.target.slug}, but "
                        f"protocol {protocol} measures {protocol.target.slug}")
     with transaction.atomic():
-        if drafter is not None and baseline_run(protocol) is None:
+        if needs_shared_baseline(protocol, drafter):
             queue_run(protocol, None, send=send)
         run = Run.objects.create(drafter=drafter, protocol=protocol, hardware=protocol.hardware,
                                  cells_total=len(cells_for(protocol, drafter)))
@@ -133,14 +136,11 @@ def prompts_for(protocol: Protocol):
         if first.prompt_set.source_sha256 != task.prompt_set_sha256:
             raise RunError(f"task {task.task}: prompt set {task.prompt_set!r} was imported from "
                            "a different file than the protocol names (sha256 differs)")
-        if task.categories:
-            qs = qs.filter(category__in=task.categories)
-        items = [PromptItem(id=p.external_id, turns=p.turns)
-                 for p in qs.order_by("position")[: task.prompts]]
-        if len(items) < task.prompts:
-            raise RunError(f"task {task.task}: the protocol asks for {task.prompts} prompts, "
-                           f"the prompt set has {len(items)}")
-        out[task.task] = items
+        try:
+            chosen = protocol.prompts_of_task(task, qs)
+        except ValueError as e:
+            raise RunError(f"task {task.task}: {e}") from None
+        out[task.task] = [PromptItem(id=p.external_id, turns=p.turns) for p in chosen]
     return out
 
 
@@ -182,60 +182,87 @@ def build_job(run: Run):
 
 # ---- recording -----------------------------------------------------------------------
 
-def matching_baseline_cell(run: Run, cell: Cell):
-    """The baseline cell that this cell's speedup divides by: same protocol, task, batch
-    size, temperature, engine version and hardware class. None until it is measured."""
-    return Result.objects.filter(
-        run__protocol_id=run.protocol_id, run__drafter__isnull=True, run__hardware=run.hardware,
-        run__engine_version=run.engine_version, task=cell.task, batch_size=cell.batch_size,
-        temperature=cell.temperature, k=0,
-    ).exclude(run__state__in=[Run.FAILED, Run.CANCELLED]).order_by("-run__queued_at").first()
-
-
-def compare_with_baseline(result: Result, outputs: dict, baseline_records=None) -> bool:
-    """Fill in speedup and (at temperature 0) the lossless share against the baseline.
-    `outputs` are this cell's outputs by prompt id; `baseline_records` the baseline run's
-    RunRecords when the caller has them (else read here)."""
+def divide_by_baseline(result: Result, outputs: dict | None = None, run_records=None,
+                       baseline_records=None, base: Result | None = None) -> bool:
+    """Divide a drafter cell by its baseline cell (services.baselines.baseline_cell_for, or
+    `base` when given) and store the pinned figures: baseline_result, speedup with its 95%
+    interval (worker.intervals.speedup_interval over the two cells' requests) and, at
+    temperature 0, the lossless share. `outputs` are this cell's outputs by prompt id;
+    `run_records` / `baseline_records` the two runs' RunRecords when the caller has them.
+    False when there is no baseline cell yet."""
     run = result.run
-    cell = Cell(result.task, result.batch_size, result.temperature, result.k)
-    base = matching_baseline_cell(run, cell)
+    base = base or baseline_cell_for(result, run)
     if base is None:
         return False
+    run_records = run_records if run_records is not None and run_records.run_id == run.pk \
+        else records.RunRecords(run.pk)
+    if baseline_records is None or baseline_records.run_id != base.run_id:
+        baseline_records = (run_records if base.run_id == run.pk
+                            else records.RunRecords(base.run_id))
+    cell = Cell(result.task, result.batch_size, result.temperature, result.k)
+    base_cell = Cell(base.task, base.batch_size, base.temperature, 0)
     result.baseline_result = base
-    result.speedup = metrics.speedup(result.output_throughput, base.output_throughput)
+    result.speedup, result.speedup_low, result.speedup_high = speedup_with_interval(
+        result, base, run_records.cell(cell), baseline_records.cell(base_cell))
     if result.temperature == 0:
-        if baseline_records is None or baseline_records.run_id != base.run_id:
-            baseline_records = records.RunRecords(base.run_id)
-        base_cell = Cell(base.task, base.batch_size, base.temperature, 0)
+        if outputs is None:
+            outputs = run_records.outputs(cell)
         result.lossless_share = metrics.lossless_share(outputs, baseline_records.outputs(base_cell))
-    result.save(update_fields=["baseline_result", "speedup", "lossless_share"])
+    result.save(update_fields=["baseline_result", "speedup", "speedup_low", "speedup_high",
+                               "lossless_share"])
     return True
 
 
+def speedup_with_interval(result: Result, base: Result, drafter_records, baseline_records):
+    """(speedup, low, high): worker.intervals.speedup_interval over the requests of both
+    cells (paired by prompt id and repetition). Rows measured before protocol v2 have no
+    per-request time share: their speedup is the ratio of throughputs, without interval."""
+    if drafter_records and baseline_records and all(
+            "time_share" in r for r in (*drafter_records, *baseline_records)):
+        from worker import intervals
+        return tuple(intervals.speedup_interval(drafter_records, baseline_records))
+    return metrics.speedup(result.output_throughput, base.output_throughput), None, None
+
+
 def record_cell(run: Run, cell_result) -> Result:
-    """Upsert one measured cell (its raw records first, so a row never lacks them)."""
+    """Upsert one measured cell (its raw records first, so a row never lacks them). A
+    drafter cell is divided by its baseline cell; a paired run's k = 0 cell re-divides the
+    run's stored drafter cells of its group (on resume a group is measured again whole, so
+    the stored speedups follow the new pair)."""
     cell = cell_result.cell
     records.write_cell(run.pk, cell, cell_result.records)
     key = dict(run=run, task=cell.task, batch_size=cell.batch_size,
                temperature=float(cell.temperature), k=cell.k)
     values = dict(cell_result.figures, measured_at=timezone.now())
+    values["checks"] = dict(getattr(cell_result, "checks", None) or {})
     try:
         with transaction.atomic():
             result, _ = Result.objects.update_or_create(**key, defaults=values)
     except IntegrityError:  # a concurrent writer inserted the same cell first
         Result.objects.filter(**key).update(**values)
         result = Result.objects.get(**key)
-    if not run.is_baseline:
-        compare_with_baseline(result, cell_result.outputs)
+    if run.is_baseline:
+        return result
+    if cell.k == 0:  # paired: this run's own baseline cell
+        for drafter_cell in Result.objects.filter(
+                run=run, task=cell.task, batch_size=cell.batch_size,
+                temperature=float(cell.temperature), k__gt=0).select_related("run"):
+            divide_by_baseline(drafter_cell, base=result)
+    else:
+        divide_by_baseline(result, cell_result.outputs)
     return result
 
 
 def record_started(run: Run, info: dict):
+    """The engine the run measures with. A drafter run under a shared protocol whose engine
+    version has no baseline run yet queues one (a new engine version gets its baseline)."""
     run.engine_version = info.get("engine_version", "")
     run.versions = info.get("versions", {})
     run.hardware_description = info.get("hardware_description", "")
     run.engine_args = info.get("engine_args", {})
     run.save(update_fields=["engine_version", "versions", "hardware_description", "engine_args"])
+    if run.engine_version and needs_shared_baseline(run.protocol, run.drafter, run.engine_version):
+        queue_run(run.protocol, None)
 
 
 def update_progress(run: Run, measured_this_attempt: int, attempt_started: float):
@@ -265,7 +292,15 @@ def finish(run: Run, state: str, error: str = "", tail: str = ""):
         fields["artifact"] = records.write_artifact(
             run.pk, (run_records.cell(c) for c in cells_for(run.protocol, run.drafter)))
         fields["cells_done"] = Result.objects.filter(run=run).count()
+    if not run.is_baseline:
+        fields["drift"] = run_drift(run)
+        fields["drift_flagged"] = (fields["drift"] is not None
+                                   and fields["drift"] > run.protocol.spec_obj.max_drift)
     changed = Run.objects.filter(pk=run.pk, state=Run.RUNNING).update(**fields)
+    if changed:
+        for name in ("drift", "drift_flagged"):
+            if name in fields:
+                setattr(run, name, fields[name])
     if changed and state == Run.SUCCEEDED:
         if run.is_baseline:
             backfill_speedups(run, run_records)
@@ -274,18 +309,28 @@ def finish(run: Run, state: str, error: str = "", tail: str = ""):
     return bool(changed)
 
 
+def run_drift(run: Run) -> float | None:
+    """The largest drift between the baseline passes of the run's own k = 0 cells (paired
+    runs; None when there are none with two passes or more)."""
+    from worker import intervals
+    passes = [p for p in Result.objects.filter(run=run, k=0).values_list(
+        "pass_throughputs", flat=True) if p and len(p) > 1]
+    return max((intervals.drift(p) for p in passes), default=None)
+
+
 def backfill_speedups(baseline: Run, baseline_records: records.RunRecords):
     """Drafter cells measured before their baseline get their speedup and lossless share,
     and their succeeded runs their analysis."""
     pending = Result.objects.filter(
         run__protocol_id=baseline.protocol_id, run__hardware=baseline.hardware,
         run__engine_version=baseline.engine_version, run__drafter__isnull=False,
-        baseline_result__isnull=True).select_related("run").order_by("run_id")
+        k__gt=0, baseline_result__isnull=True).select_related("run", "run__protocol"
+                                                             ).order_by("run_id")
     records_by_run, divided = {}, {}
     for result in pending:
         run_records = records_by_run.setdefault(result.run_id, records.RunRecords(result.run_id))
-        cell = Cell(result.task, result.batch_size, result.temperature, result.k)
-        if compare_with_baseline(result, run_records.outputs(cell), baseline_records):
+        if divide_by_baseline(result, run_records=run_records,
+                              baseline_records=baseline_records):
             divided[result.run_id] = result.run
     for run_id, drafter_run in divided.items():
         if drafter_run.state == Run.SUCCEEDED:
@@ -298,10 +343,11 @@ def record_analysis(run: Run, run_records: records.RunRecords | None = None,
     of a succeeded drafter run whose baseline has succeeded. Returns the number of cells
     updated (0 when there is no baseline yet or no raw records). The records come from the
     RunRecords given, else are read here."""
-    results = list(Result.objects.filter(run=run).order_by("task", "batch_size",
-                                                            "temperature", "k"))
+    results = list(Result.objects.filter(run=run, k__gt=0).order_by(
+        "task", "batch_size", "temperature", "k"))
     base_ids = {r.baseline_result_id for r in results if r.baseline_result_id}
-    base = (Run.objects.filter(results__id__in=base_ids, state=Run.SUCCEEDED)
+    base = (Run.objects.filter(results__id__in=base_ids)
+            .filter(Q(state=Run.SUCCEEDED) | Q(pk=run.pk))
             .order_by("-queued_at").first() if base_ids else None)
     if run.drafter_id is None or base is None:
         return 0
@@ -310,13 +356,15 @@ def record_analysis(run: Run, run_records: records.RunRecords | None = None,
         baseline_records = records.RunRecords(base.pk)
     cells = run_records.with_records([r.as_cell_dict() for r in results])
     # The cost model reads the baseline's batch-1 records (prefill slope), the rest by TPOT.
-    base_cells = baseline_records.with_records([r.as_cell_dict() for r in base.results.all()],
-                                               batch_size=1)
+    base_cells = baseline_records.with_records(
+        [r.as_cell_dict() for r in base.results.filter(k=0)], batch_size=1)
     rows = analysis.analyse_run_or_stored_only(cells, base_cells, run.drafter.method,
                                                f"run {run.pk}")
     for result, row in zip(results, rows):
+        measured = result.decode_steps is not None  # the worker measured tokens per step
         for column, value in zip(analysis.EXPORT_COLUMNS, analysis.export_values(row)):
-            setattr(result, column, value)
+            if not (measured and column == "tokens_per_step"):
+                setattr(result, column, value)
     Result.objects.bulk_update(results, list(analysis.EXPORT_COLUMNS))
     return len(results)
 
@@ -355,7 +403,10 @@ def execute_run(run_id: int, host: str | None = None, progress=None) -> str | No
 
     try:
         job = build_job(run)
-        outcome = run_job_in_child(job, log_path, on_event, should_stop)
+        # the child holds the host lock (settings.HOST_LOCK) while it measures: a second
+        # measurement on this host waits, the Gradio demo yields
+        outcome = run_job_in_child(job, log_path, on_event, should_stop,
+                                   host_lock_path=str(settings.HOST_LOCK))
     except SoftTimeLimitExceeded:
         minutes = round(settings.RUN_SOFT_LIMIT_S / 60)
         finish(run, Run.FAILED, f"timed out after {minutes} minutes", log_tail(log_path))

@@ -86,15 +86,42 @@ DEMO_TASKS = [
 ]
 
 
-def demo_protocol_spec(target: Target, prompt_sets: dict, prompts_per_task=None) -> ProtocolSpec:
-    n = prompts_per_task or settings.DEMO_PROMPTS_PER_TASK
+DEMO_V1_PROMPTS_PER_TASK = 16
+DEMO_VERSION = 2
+
+
+def demo_protocol_spec_v1(target: Target, prompt_sets: dict, prompts_per_task=None) -> ProtocolSpec:
+    """The demo protocol's first version (kept as it was measured: shared baseline, the
+    first N prompts of each task's categories, one repetition)."""
+    n = prompts_per_task or DEMO_V1_PROMPTS_PER_TASK
     return ProtocolSpec(
         slug=DEMO_PROTOCOL_SLUG, version=1, target=target.slug,
         target_sha256=target.weights_sha256, engine="vllm", hardware="cpu",
         tasks=tuple(TaskSpec(task, ps, prompt_sets[ps].source_sha256, n, cats)
                     for task, ps, cats in DEMO_TASKS),
         temperatures=(0.0,), max_new_tokens=128, seed=0, batch_sizes=(1, 4, 8), ks=(2, 4),
-        warmup_requests=2, repetitions=1,
+        warmup_requests=2, repetitions=1, baseline="shared",
+    )
+
+
+def demo_protocol_spec(target: Target, prompt_sets: dict, prompts_per_task=None) -> ProtocolSpec:
+    """The demo protocol's current version (v2): the baseline measured in every drafter run
+    (paired), 3 repetitions, prompts taken in turn from each named category (stratified),
+    SPECBOARD_DEMO_PROMPTS_PER_TASK (8) prompts per task; batch sizes and k as in v1."""
+    n = prompts_per_task or settings.DEMO_PROMPTS_PER_TASK
+    batch_sizes = (1, 4, 8)
+    if n < max(batch_sizes):
+        raise ServiceError(
+            f"the demo protocol needs at least {max(batch_sizes)} prompts per task (its "
+            f"largest batch size), got {n}: raise SPECBOARD_DEMO_PROMPTS_PER_TASK")
+    return ProtocolSpec(
+        slug=DEMO_PROTOCOL_SLUG, version=DEMO_VERSION, target=target.slug,
+        target_sha256=target.weights_sha256, engine="vllm", hardware="cpu",
+        tasks=tuple(TaskSpec(task, ps, prompt_sets[ps].source_sha256, n, cats,
+                             selection="stratified")
+                    for task, ps, cats in DEMO_TASKS),
+        temperatures=(0.0,), max_new_tokens=128, seed=0, batch_sizes=batch_sizes, ks=(2, 4),
+        warmup_requests=2, repetitions=3, baseline="paired",
     )
 
 
@@ -130,9 +157,11 @@ def setup_demo(progress=print, prompts_per_task=None):
 
 
 def queue_demo_runs(rows):
-    """Queue the baseline and every demo drafter that has no run under the demo protocol."""
+    """Queue every demo drafter that has no run under the demo protocol, and the baseline
+    under a shared protocol (a paired protocol's drafter runs measure their own)."""
     protocol, queued = rows["protocol"], []
-    if not protocol.runs.filter(drafter__isnull=True).exists():
+    if (protocol.spec_obj.baseline != "paired"
+            and not protocol.runs.filter(drafter__isnull=True).exists()):
         queued.append(queue_run(protocol, None))
     for drafter in rows["drafters"]:
         if not protocol.runs.filter(drafter=drafter).exists():

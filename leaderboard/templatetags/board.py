@@ -61,3 +61,25 @@ def percent_width(value):
         return f"{max(0.0, min(1.0, float(value))) * 100:.1f}%"
     except (TypeError, ValueError):
         return "0%"
+
+
+@register.filter
+def pm(row, prefix="speedup"):
+    """" ± h" after a figure: h is the larger half-width of its 95% interval (the interval
+    need not be symmetric; the larger side is shown); empty without an interval."""
+    if not isinstance(row, dict):
+        row = {f: getattr(row, f, None) for f in (prefix, f"{prefix}_low", f"{prefix}_high")}
+    v, lo, hi = row.get(prefix), row.get(f"{prefix}_low"), row.get(f"{prefix}_high")
+    if v is None or lo is None or hi is None:
+        return ""
+    digits = 1 if prefix == "output_throughput" else 2
+    return f" \u00b1 {max(v - lo, hi - v):.{digits}f}"
+
+
+@register.filter
+def interval(row, prefix="speedup"):
+    """"[lo, hi]" of a figure's 95% interval, or empty."""
+    lo, hi = row.get(f"{prefix}_low"), row.get(f"{prefix}_high")
+    if lo is None or hi is None:
+        return ""
+    return f"[{lo:.2f}, {hi:.2f}]"

@@ -6,9 +6,18 @@
   this target about 2.5x faster in float32 than in bfloat16.
 - Prefix caching is off: every cell re-sends the same prompts, and a warm cache would
   make later cells' TTFT incomparable with earlier ones.
-- Speculation counters come from vLLM's Prometheus metrics (``vllm:spec_decode_*``),
-  which are cumulative: a caller takes :meth:`VllmEngine.spec_counts` snapshots and
-  subtracts them.
+- Speculation counters: each engine has its own stat logger (``SpecCounter``, handed to
+  AsyncLLM as a custom stat logger) that sums the scheduler's speculation stats of that
+  engine only -- the same numbers vLLM's Prometheus counters (``vllm:spec_decode_*``) add
+  up, but a process with several engines alive (a paired run) shares one Prometheus
+  registry, which vLLM resets when it builds the next engine. The counters are cumulative:
+  a caller takes :meth:`VllmEngine.spec_counts` snapshots and subtracts them.
+- On the ``cpu`` class the engine core runs with tcmalloc preloaded (Debian's
+  libtcmalloc-minimal4, ``TCMALLOC_PATH``) unless ``SPECBOARD_PRELOAD_TCMALLOC=0`` or the
+  file is missing: vLLM's CPU backend asks for it (and warns without it), and it made the
+  demo baseline about 5% faster at batch size 1. vLLM's CPU platform starts the engine core
+  with ``spawn``, so LD_PRELOAD set in this process's environment before the engine starts
+  reaches the engine core's exec. The value is recorded in ``engine_env``.
 - Per request the adapter records the client-side TTFT and latency, vLLM's own per-request
   speculation metrics (``per_request_spec_decode_metrics="detailed"``: accepted and
   drafted counts of every verification step) and, through a read-only hook on the output
@@ -41,6 +50,16 @@ ENGINE_NAME = "vllm"
 CPU_ENV_DEFAULTS = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
 RECORDED_ENV = ("VLLM_TARGET_DEVICE", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",
                 "VLLM_CPU_NUM_OF_RESERVED_CPU", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+TCMALLOC_PATH = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+
+
+def tcmalloc_preload(hardware: str) -> str | None:
+    """The tcmalloc library the engine preloads on the cpu class, or None (another class,
+    SPECBOARD_PRELOAD_TCMALLOC=0, or the library not installed)."""
+    if not is_cpu_hardware(hardware) or os.environ.get("SPECBOARD_PRELOAD_TCMALLOC") == "0":
+        return None
+    path = os.environ.get("SPECBOARD_TCMALLOC_PATH", TCMALLOC_PATH)
+    return path if os.path.isfile(path) else None
 
 
 class EngineStartError(RuntimeError):
@@ -82,12 +101,24 @@ def engine_env(hardware: str) -> dict:
     if is_cpu_hardware(hardware):
         for k, v in CPU_ENV_DEFAULTS.items():
             env.setdefault(k, v)
+    tcmalloc = tcmalloc_preload(hardware)
+    if tcmalloc:
+        env["LD_PRELOAD"] = tcmalloc
     return env
 
 
 def apply_engine_env(hardware: str) -> dict:
+    """Set the engine's environment in this process (the engine core inherits it). The
+    tcmalloc preload is put first in LD_PRELOAD, keeping what is there (vLLM adds torch's
+    libgomp to it)."""
     env = engine_env(hardware)
-    os.environ.update(env)
+    for key, value in env.items():
+        if key == "LD_PRELOAD":
+            have = [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p]
+            if value not in have:
+                os.environ["LD_PRELOAD"] = ":".join([value, *have])
+        else:
+            os.environ[key] = value
     return env
 
 
@@ -237,6 +268,44 @@ def _root_cause(exc: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0][:500]}" if text else type(e).__name__
 
 
+def _spec_counter_factory(counts: SpecCounts):
+    """A vLLM stat logger factory whose loggers add this engine's speculation stats into
+    ``counts`` (every scheduler step's SpecDecodingStats, as vLLM's Prometheus logger does)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class SpecCounter(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0):
+            self.engine_index = engine_index
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None,
+                   engine_idx: int = 0):
+            stats = getattr(scheduler_stats, "spec_decoding_stats", None)
+            if stats is None:
+                return
+            counts.drafts += int(stats.num_drafts)
+            counts.draft_tokens += int(stats.num_draft_tokens)
+            counts.accepted_tokens += int(stats.num_accepted_tokens)
+            per_pos = [int(v) for v in stats.num_accepted_tokens_per_pos]
+            if len(counts.accepted_at) < len(per_pos):
+                counts.accepted_at.extend([0] * (len(per_pos) - len(counts.accepted_at)))
+            for i, v in enumerate(per_pos):
+                counts.accepted_at[i] += v
+
+        def log_engine_initialized(self):
+            pass
+
+    return SpecCounter
+
+
+def _engine_core_pids(parent_pid: int) -> list[int]:
+    """Children of this process (the engine core processes a start spawned)."""
+    try:
+        with open(f"/proc/{parent_pid}/task/{parent_pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
 class VllmEngine:
     """One running AsyncLLM. Use from a single asyncio event loop:
     ``await start()``, ``await generate(...)`` any number of times, ``shutdown()``."""
@@ -248,6 +317,9 @@ class VllmEngine:
         self.hardware = hardware
         self.llm = None
         self._steps: dict[str, list[int]] = {}
+        self._counts = SpecCounts()
+        self.core_pids: list[int] = []     # the engine core process(es) this start spawned
+        self.prefix_caching: bool | None = None   # as the running engine is configured
 
     def all_args(self) -> dict:
         args = dict(self.engine_args, speculative_config=self.speculative_config)
@@ -258,11 +330,14 @@ class VllmEngine:
     async def start(self):
         apply_engine_env(self.hardware)
         tail = OutputTail().start()
+        before = set(_engine_core_pids(os.getpid()))
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
 
-            self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.all_args()))
+            self.llm = AsyncLLM.from_engine_args(
+                AsyncEngineArgs(**self.all_args()),
+                stat_loggers=[_spec_counter_factory(self._counts)])
         except Exception as e:  # noqa: BLE001 - condensed for the run page; chained for logs
             tail.restore()
             time.sleep(0.5)   # let the pumps take the engine processes' last lines
@@ -277,6 +352,10 @@ class VllmEngine:
                 f"{cause}") from e
         finally:
             tail.restore()
+        self.core_pids = [p for p in _engine_core_pids(os.getpid()) if p not in before]
+        cache = getattr(getattr(self.llm, "vllm_config", None), "cache_config", None)
+        if cache is not None:
+            self.prefix_caching = bool(cache.enable_prefix_caching)
         self._install_step_hook()
         return self
 
@@ -333,19 +412,9 @@ class VllmEngine:
                              self._steps.pop(request_id, []), spec_metrics)
 
     def spec_counts(self) -> SpecCounts:
-        """vLLM's cumulative speculation counters now (summed over label sets)."""
-        from vllm.v1.metrics.reader import Counter, Vector, get_metrics_snapshot
-
-        names = {"vllm:spec_decode_num_drafts": "drafts",
-                 "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-                 "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
-        c = SpecCounts()
-        for m in get_metrics_snapshot():
-            if isinstance(m, Counter) and m.name in names:
-                setattr(c, names[m.name], getattr(c, names[m.name]) + int(m.value))
-            elif isinstance(m, Vector) and m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-                c = c + SpecCounts(accepted_at=[int(v) for v in m.values])
-        return c
+        """This engine's cumulative speculation counters now (a copy)."""
+        c = self._counts
+        return SpecCounts(c.drafts, c.draft_tokens, c.accepted_tokens, list(c.accepted_at))
 
     def shutdown(self):
         llm, self.llm = self.llm, None

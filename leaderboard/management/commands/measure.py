@@ -41,7 +41,7 @@ class Command(BaseCommand):
                 known = ", ".join(Drafter.objects.values_list("slug", flat=True)) or "none"
                 raise CommandError(f"no drafter {drafter!r}; known drafters: {known}, baseline")
         try:
-            if sync and drafter_obj is not None and runs.baseline_run(protocol) is None:
+            if sync and runs.needs_shared_baseline(protocol, drafter_obj):
                 self._sync(runs.queue_run(protocol, None, send=False))
             run = runs.queue_run(protocol, drafter_obj, send=not sync)
         except runs.RunError as e:

@@ -10,7 +10,7 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument("--prompts-per-task", type=int, default=None,
                             help="prompts per task in the demo protocol "
-                                 "(default SPECBOARD_DEMO_PROMPTS_PER_TASK or 16)")
+                                 "(default SPECBOARD_DEMO_PROMPTS_PER_TASK or 8; at least the largest batch size)")
         parser.add_argument("--queue-runs", action="store_true",
                             help="queue the baseline and each demo drafter that has no run yet "
                                  "under the demo protocol (make run does this)")

@@ -1,0 +1,156 @@
+"""Speedups as every page reads them: the stored figure of a cell, divided by the baseline
+cell stored with it (``Result.baseline_result``, chosen once by
+leaderboard/services/baselines.py), and figures over several cells pooled over those same
+pinned baseline cells. No read picks a baseline run of its own.
+
+Intervals over several cells (a leaderboard row over all tasks): each cell's 95% interval
+is turned into relative half-widths below and above its estimate; the pooled figure's are
+the cells' combined in quadrature, each weighted by the cell's share of the group's wall
+time (a pooled throughput is the wall-time-weighted mean of the cells' throughputs, and the
+cells of different tasks are measured on different prompts, so their errors are
+independent). One cell: its own stored interval."""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from worker import metrics
+
+from ..models import Result
+
+
+def cell_key(c: dict) -> tuple:
+    return (c["task"], c["batch_size"], float(c["temperature"]))
+
+
+def pinned_for(cells: list[dict]) -> dict[int, dict[tuple, dict]]:
+    """The same as `pinned_baselines` for the cell dicts at hand (their baseline_result_id).
+    One query."""
+    return _pinned({(c["run_id"], c["baseline_result_id"]) for c in cells
+                    if c["k"] > 0 and c.get("baseline_result_id")})
+
+
+def pinned_baselines(run_ids) -> dict[int, dict[tuple, dict]]:
+    """{drafter run id: {(task, batch size, temperature): the baseline cell dict its cells
+    divide by}}. Two queries."""
+    return _pinned(Result.objects.filter(run_id__in=list(run_ids), k__gt=0,
+                                         baseline_result__isnull=False)
+                   .values_list("run_id", "baseline_result_id").distinct())
+
+
+def _pinned(links) -> dict[int, dict[tuple, dict]]:
+    by_run = defaultdict(set)
+    for run_id, base_id in links:
+        by_run[run_id].add(base_id)
+    ids = {i for s in by_run.values() for i in s}
+    cells = {r.pk: {**r.as_cell_dict(), "id": r.pk}
+             for r in Result.objects.filter(pk__in=ids)} if ids else {}
+    return {run_id: {cell_key(cells[i]): cells[i] for i in sorted(s) if i in cells}
+            for run_id, s in by_run.items()}
+
+
+def baseline_runs_of(pinned: dict[tuple, dict]) -> list[int]:
+    """The baseline run ids a drafter run's pinned cells belong to."""
+    return sorted({c["run_id"] for c in pinned.values()})
+
+
+def combined_interval(point, parts):
+    """(low, high) of a pooled figure `point` from (weight, estimate, low, high) of its
+    cells (see the module's docstring); (None, None) when a cell has no interval."""
+    if point is None or not parts:
+        return None, None
+    if len(parts) == 1:
+        _, est, lo, hi = parts[0]
+        return lo, hi
+    total = sum(w for w, *_ in parts) or 0.0
+    if not total or any(lo is None or hi is None or not est for _, est, lo, hi in parts):
+        return None, None
+    below = math.sqrt(sum((w / total * (est - lo) / est) ** 2 for w, est, lo, hi in parts))
+    above = math.sqrt(sum((w / total * (hi - est) / est) ** 2 for w, est, lo, hi in parts))
+    return point * (1 - below), point * (1 + above)
+
+
+def pooled(cells: list[dict], pinned: dict[tuple, dict] | None) -> dict:
+    """Figures of one drafter's cells of one k (one or several tasks/batch sizes) against
+    their pinned baseline cells: speedup with interval, throughput with interval,
+    acceptance length (corrected, engine) with interval, tokens per step, and the
+    baseline's throughput. One cell gives exactly its stored figures."""
+    out = dict.fromkeys((
+        "speedup", "speedup_low", "speedup_high", "output_throughput_low",
+        "output_throughput_high", "acceptance_length_low", "acceptance_length_high",
+        "tokens_per_step", "engine_acceptance_length", "baseline_throughput"))
+    if not cells:
+        return out
+    wall = [c["wall_seconds"] or 0.0 for c in cells]
+    thr = metrics.output_throughput(sum(c["generated_tokens"] for c in cells), sum(wall))
+    out["output_throughput_low"], out["output_throughput_high"] = combined_interval(
+        thr, [(w, c["output_throughput"], c.get("output_throughput_low"),
+               c.get("output_throughput_high")) for w, c in zip(wall, cells)])
+    drafts = sum(c["drafts"] or 0 for c in cells)
+    al = 1 + sum(c["accepted_tokens"] or 0 for c in cells) / drafts if drafts else None
+    out["acceptance_length_low"], out["acceptance_length_high"] = combined_interval(
+        al, [(c["drafts"] or 0, c["acceptance_length"], c.get("acceptance_length_low"),
+              c.get("acceptance_length_high")) for c in cells if c["drafts"]])
+    steps = [c.get("decode_steps") for c in cells]
+    if all(s for s in steps):
+        out["tokens_per_step"] = sum(c["decode_tokens"] for c in cells) / sum(steps)
+    elif len(cells) == 1:
+        out["tokens_per_step"] = cells[0].get("tokens_per_step")
+    engine = [(c["drafts"], c.get("engine_acceptance_length")) for c in cells if c["drafts"]]
+    if engine and all(e is not None for _, e in engine):
+        # drafts-weighted: the engine's own counts are not stored, its drafts are close
+        out["engine_acceptance_length"] = 1 + sum(d * (e - 1) for d, e in engine) / sum(
+            d for d, _ in engine)
+    bases = [(pinned or {}).get(cell_key(c)) for c in cells]
+    if any(b is None for b in bases):
+        return out
+    out["baseline_throughput"] = metrics.output_throughput(
+        sum(b["generated_tokens"] for b in bases), sum(b["wall_seconds"] for b in bases))
+    if len(cells) == 1:
+        c = cells[0]
+        out.update(speedup=c["speedup"], speedup_low=c.get("speedup_low"),
+                   speedup_high=c.get("speedup_high"))
+        return out
+    out["speedup"] = metrics.speedup(thr, out["baseline_throughput"])
+    out["speedup_low"], out["speedup_high"] = combined_interval(
+        out["speedup"], [(w, c["speedup"], c.get("speedup_low"), c.get("speedup_high"))
+                         for w, c in zip(wall, cells)])
+    return out
+
+
+def speedup_by_batch(cells: list[dict], pinned: dict[tuple, dict] | None) -> dict:
+    """{batch size: pooled speedup over tasks} of one drafter's cells of one k and
+    temperature, against their pinned baseline cells (None where a cell has none)."""
+    by_b = defaultdict(list)
+    for c in cells:
+        by_b[c["batch_size"]].append(c)
+    return {b: pooled(cs, pinned)["speedup"] for b, cs in sorted(by_b.items())}
+
+
+def mark_ties(rows: list[dict]) -> None:
+    """Ranks of rows sorted by speedup (best first): a row whose speedup interval overlaps
+    the row above's shares its rank and is marked tied ("="). Rows without a speedup get
+    no rank."""
+    prev, rank = None, 0
+    for i, r in enumerate(rows, 1):
+        r["rank"], r["tied"] = None, False
+        if r.get("speedup") is None:
+            continue
+        lo = r.get("speedup_low") if r.get("speedup_low") is not None else r["speedup"]
+        hi = r.get("speedup_high") if r.get("speedup_high") is not None else r["speedup"]
+        if prev is not None and lo <= prev[1] and hi >= prev[0]:
+            r["tied"], prev_row = True, prev[2]
+            prev_row["tied"] = True
+            r["rank"] = prev_row["rank"]
+        else:
+            rank = i
+            r["rank"] = rank
+        prev = (lo, hi, r)
+
+
+def half_width(row: dict, prefix: str = "speedup"):
+    """The larger half-width of a figure's interval (what the pages print after ±)."""
+    v, lo, hi = row.get(prefix), row.get(f"{prefix}_low"), row.get(f"{prefix}_high")
+    if v is None or lo is None or hi is None:
+        return None
+    return max(v - lo, hi - v)
