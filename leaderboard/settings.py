@@ -105,8 +105,11 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = VAR_DIR / "staticfiles"
-# WhiteNoise serves from the finders when nothing was collected (`make run`, tests).
+# WhiteNoise serves from the finders when nothing was collected (`make run`, tests); it
+# expects STATIC_ROOT to exist even then.
 WHITENOISE_USE_FINDERS = DEPLOYMENT != "production"
+if WHITENOISE_USE_FINDERS:
+    STATIC_ROOT.mkdir(parents=True, exist_ok=True)
 
 # Uploaded drafter files and run artifacts go through Django's storage API, so a shared
 # volume (MEDIA_ROOT) or an object store (SPECBOARD_STORAGE_BACKEND, e.g.

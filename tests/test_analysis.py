@@ -770,7 +770,7 @@ def two_repetitions(records, differ_in, offset=1000):
 
 def test_the_lossless_share_compares_repetition_zero_in_every_caller(media):
     """metrics.lossless_outputs is the rule; records.outputs, the run service's
-    compare_with_baseline (through the records in storage) and the oracle combination's
+    divide_by_baseline (through the records in storage) and the oracle combination's
     reference all take repetition 0. Fails if a caller takes the first or last record."""
     from leaderboard import pays, records
     from leaderboard.models import Result
@@ -812,7 +812,7 @@ def test_the_lossless_share_compares_repetition_zero_in_every_caller(media):
         run.save(update_fields=["artifact"])
         result = Result.objects.create(run=run, task="chat", batch_size=2, temperature=0.0,
                                        k=K, **figures)
-        assert runs.compare_with_baseline(result, records.RunRecords(run.pk).outputs(dcell))
+        assert runs.divide_by_baseline(result, records.RunRecords(run.pk).outputs(dcell))
         result.refresh_from_db()
         assert result.lossless_share == expected, name
     # the oracle combination takes the baseline's repetition 0 as the reference: the two
