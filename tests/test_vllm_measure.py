@@ -420,3 +420,24 @@ def test_a_paired_group_is_measured_again_whole_when_one_cell_is_missing(
     shared = _job(paired_protocol_file, demo_target_dir, DrafterSpec("baseline"),
                   frozenset())
     assert measurement_order(shared) == spec.cells(with_drafter=False)
+
+
+def test_tcmalloc_preload_is_chosen_per_hardware_class_and_can_be_turned_off(monkeypatch,
+                                                                             tmp_path):
+    from worker.engines import vllm_engine as ve
+
+    monkeypatch.delenv("SPECBOARD_PRELOAD_TCMALLOC", raising=False)
+    assert ve.engine_env("cpu")["LD_PRELOAD"] == ve.TCMALLOC_PATH   # installed on workers
+    assert "LD_PRELOAD" not in ve.engine_env("h100")
+    monkeypatch.setenv("SPECBOARD_PRELOAD_TCMALLOC", "0")
+    assert "LD_PRELOAD" not in ve.engine_env("cpu")
+    monkeypatch.delenv("SPECBOARD_PRELOAD_TCMALLOC")
+    monkeypatch.setenv("SPECBOARD_TCMALLOC_PATH", str(tmp_path / "missing.so"))
+    assert "LD_PRELOAD" not in ve.engine_env("cpu")
+    # Applied, it goes first and keeps what LD_PRELOAD held (vLLM adds torch's libgomp).
+    monkeypatch.delenv("SPECBOARD_TCMALLOC_PATH")
+    monkeypatch.setenv("LD_PRELOAD", "/x/libgomp.so")
+    ve.apply_engine_env("cpu")
+    assert os.environ["LD_PRELOAD"] == f"{ve.TCMALLOC_PATH}:/x/libgomp.so"
+    ve.apply_engine_env("cpu")
+    assert os.environ["LD_PRELOAD"] == f"{ve.TCMALLOC_PATH}:/x/libgomp.so"
