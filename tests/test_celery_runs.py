@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.django_db(transaction=True)]
 
 
 def tiny_protocol(target_dir, prompt_files, slug="tiny", batch_sizes=(1, 2), prompts=2,
-                  max_new_tokens=16):
+                  max_new_tokens=16, baseline="shared", repetitions=1):
     target, _ = setup.ensure_target("smollm2", "SmolLM2-135M-Instruct", target_dir)
     qa, _ = setup.import_prompt_set(prompt_files / "mt_bench.jsonl", "mt-bench", slug="qa")
     code, _ = setup.import_prompt_set(prompt_files / "humaneval.jsonl.gz", "humaneval",
@@ -26,7 +26,7 @@ def tiny_protocol(target_dir, prompt_files, slug="tiny", batch_sizes=(1, 2), pro
         tasks=(TaskSpec("qa", "qa", qa.source_sha256, prompts),
                TaskSpec("code", "eagle-humaneval", code.source_sha256, prompts)),
         temperatures=(0.0,), max_new_tokens=max_new_tokens, seed=0, batch_sizes=batch_sizes, ks=(3,),
-        warmup_requests=1)
+        warmup_requests=1, baseline=baseline, repetitions=repetitions)
     protocol, _ = setup.ensure_protocol(spec, target)
     ngram = Drafter.objects.create(slug="ngram", name="n-gram", method="ngram", target=target,
                                    params={"prompt_lookup_min": 1, "prompt_lookup_max": 3})
@@ -107,13 +107,39 @@ def test_baseline_and_ngram_measured_through_celery(demo_target_dir, prompt_file
     assert run.attempts == 1 and run.state == Run.SUCCEEDED
 
 
+def test_a_paired_run_measures_and_divides_by_its_own_baseline(demo_target_dir, prompt_files,
+                                                               celery_worker_factory):
+    purge_queue("cpu")
+    protocol, ngram = tiny_protocol(demo_target_dir, prompt_files, slug="tiny-paired",
+                                    baseline="paired", repetitions=2)
+    run = runs.queue_run(protocol, ngram)
+    assert not Run.objects.filter(drafter__isnull=True).exists()  # no separate baseline run
+    worker = celery_worker_factory()
+    wait_for_state(run, Run.FINISHED, worker=worker)
+    assert run.state == Run.SUCCEEDED, (run.error, run.log_tail)
+    assert run.cells_done == run.cells_total == 8  # 4 baseline cells and 4 n-gram cells
+    assert run.drift is not None and run.drift_flagged == (run.drift > 0.05)
+    for result in Result.objects.filter(run=run, k__gt=0):
+        base = result.baseline_result
+        assert base.run_id == run.pk and base.k == 0
+        assert (base.task, base.batch_size) == (result.task, result.batch_size)
+        assert len(result.pass_throughputs) == len(base.pass_throughputs) == 2
+        assert result.repetitions == 2 and result.checks["ok"], result.checks
+        assert result.speedup == pytest.approx(
+            result.output_throughput / base.output_throughput, rel=1e-6)
+        assert result.speedup_low <= result.speedup <= result.speedup_high
+        assert 1.0 <= result.tokens_per_step <= result.acceptance_length
+        assert result.lossless_share == 1.0
+        assert result.host_load is not None
+
+
 def test_killed_worker_run_finishes_with_every_cell_once(demo_target_dir, prompt_files,
                                                          celery_worker_factory):
     purge_queue("cpu")
     # Longer cells than the other tests' (3 prompts of 48 tokens, several seconds each), and
     # a kill as soon as the first cell lands, so that the kill falls mid-run on a fast
     # machine too (16-token cells once all finished between two polls).
-    protocol, _ = tiny_protocol(demo_target_dir, prompt_files, batch_sizes=(1, 2, 4), prompts=3,
+    protocol, _ = tiny_protocol(demo_target_dir, prompt_files, batch_sizes=(1, 2, 4), prompts=4,
                                 max_new_tokens=48)
     run = runs.queue_run(protocol, None)
     first = celery_worker_factory(SPECBOARD_RUN_STALE_AFTER_S=8)
@@ -136,7 +162,7 @@ def test_killed_worker_run_finishes_with_every_cell_once(demo_target_dir, prompt
 
 def test_cancel_is_honoured_between_cells(demo_target_dir, prompt_files, celery_worker_factory):
     purge_queue("cpu")
-    protocol, _ = tiny_protocol(demo_target_dir, prompt_files, batch_sizes=(1, 2, 4))
+    protocol, _ = tiny_protocol(demo_target_dir, prompt_files, batch_sizes=(1, 2, 4), prompts=4)
     run = runs.queue_run(protocol, None)
     worker = celery_worker_factory()
     wait_for_cells(run, 1)
