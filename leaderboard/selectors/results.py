@@ -29,6 +29,7 @@ RESULT_COLUMNS = (RESULT_PROVENANCE + Result.CELL_FIELDS
                   + tuple(c for c in EXPORT_COLUMNS if c not in Result.CELL_FIELDS))
 RESULT_JSON_COLUMNS = ("accepted_at", "per_position_acceptance", "conditional_acceptance",
                        "pass_throughputs", "checks", "checks_failed")
+RESULT_BOOL_COLUMNS = ("run_drift_flagged", "checks_ok")
 BASELINE_METHOD = "baseline"
 
 
@@ -82,9 +83,17 @@ def _result_values(qs, json_as_text: bool, time_as_text: bool = False):
     if time_as_text:
         provenance["measured_at_text"] = Func(F("measured_at"), template=ISO_UTC_SQL,
                                               output_field=TextField())
+    bools = {}
+    if time_as_text:
+        # PostgreSQL's COPY writes booleans t / f; csv.writer writes True / False.
+        bools = {f"{c}_text": Case(When(**{c: True}, then=Value("True")),
+                                   When(**{c: False}, then=Value("False")),
+                                   default=Value(None), output_field=TextField())
+                 for c in RESULT_BOOL_COLUMNS}
     columns = [f"{c}_text" if (json_as_text and c in RESULT_JSON_COLUMNS)
-               or (time_as_text and c == "measured_at") else c for c in RESULT_COLUMNS]
-    return qs.annotate(**provenance).values_list(*columns)
+               or (time_as_text and (c == "measured_at" or c in RESULT_BOOL_COLUMNS))
+               else c for c in RESULT_COLUMNS]
+    return qs.annotate(**provenance).annotate(**bools).values_list(*columns)
 
 
 def result_rows(qs, *, json_as_text: bool = False, chunk_size: int = 2000):
