@@ -4,6 +4,8 @@ the selectors' plain dicts and rendered in the browser by the local plotly.min.j
 that is from summed counts through worker.metrics."""
 from __future__ import annotations
 
+import html
+
 import plotly.graph_objects as go
 
 from worker.analysis import speedup_by_batch
@@ -34,12 +36,36 @@ def to_json(fig: go.Figure) -> str:
             .replace("&", "\\u0026"))
 
 
+def plain(value):
+    """A string from the data (a drafter's name, a task) as plotly shows it: plotly renders
+    a subset of HTML (links, <b>, <br>) in names, labels and text, so markup is escaped into
+    entities, which it shows as the characters they stand for. Other values pass through."""
+    return html.escape(value, quote=False) if isinstance(value, str) else value
+
+
+def _plain_trace(trace):
+    """Every text a trace takes from the data, escaped (legend name, point text, category
+    labels); the templates (hovertemplate, texttemplate) are ours and keep their markup."""
+    updates = {}
+    for attr in ("name", "text", "hovertext", "x", "y"):
+        value = getattr(trace, attr, None)
+        if isinstance(value, str):
+            updates[attr] = plain(value)
+        elif isinstance(value, (list, tuple)) and any(isinstance(v, (str, list, tuple))
+                                                      for v in value):
+            updates[attr] = [[plain(v) for v in row] if isinstance(row, (list, tuple))
+                             else plain(row) for row in value]
+    if updates:
+        trace.update(**updates)
+
+
 def _figure(traces, title, x_title, y_title, **layout) -> str:
     xaxis = dict(AXIS, title=dict(text=x_title, standoff=6), **layout.pop("xaxis", {}))
     yaxis = dict(AXIS, title=dict(text=y_title), **layout.pop("yaxis", {}))
     fig = go.Figure(data=traces, layout=go.Layout(**{
         **BASE_LAYOUT, "title": dict(text=title, x=0, xanchor="left", font=dict(size=14)),
         "xaxis": xaxis, "yaxis": yaxis, **layout}))
+    fig.for_each_trace(_plain_trace)
     return to_json(fig)
 
 

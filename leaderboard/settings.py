@@ -63,6 +63,8 @@ MIDDLEWARE = [
     "leaderboard.middleware.UploadGuardMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # A throttled request (django-ratelimit) is a 429 page (views.rate_limited).
+    "django_ratelimit.middleware.RatelimitMiddleware",
 ]
 
 ROOT_URLCONF = "leaderboard.urls"
@@ -138,6 +140,9 @@ BROKER_DIR = VAR_DIR / "broker"
 # slow run is never redelivered to a second worker while the first is still measuring.
 RUN_HARD_LIMIT_S = env_int("SPECBOARD_RUN_HARD_LIMIT_S", 6 * 3600)
 RUN_SOFT_LIMIT_S = env_int("SPECBOARD_RUN_SOFT_LIMIT_S", RUN_HARD_LIMIT_S - 300)
+# A measuring worker waits this long for a database that stopped answering before it gives
+# up a run (its cells are kept and written when the database is back).
+DB_OUTAGE_WAIT_S = env_int("SPECBOARD_DB_OUTAGE_WAIT_S", 900)
 # A running run whose worker has not written a heartbeat for this long is taken over.
 RUN_STALE_AFTER_S = env_int("SPECBOARD_RUN_STALE_AFTER_S", 120)
 HARDWARE_CLASSES = env_list("SPECBOARD_HARDWARE_CLASSES", ["cpu", "h100", "h200", "a100"])
@@ -153,6 +158,9 @@ if CELERY_BROKER_URL.startswith("filesystem://"):
         store_processed=False,
     )
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# A broker restart must not stop a measurement: the run goes on, finishes once (the claim is
+# a compare-and-set), and a redelivered message finds it finished.
+CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = False
 CELERY_RESULT_BACKEND = None  # outcomes live in the database (Run, Result)
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = True
@@ -202,6 +210,13 @@ STATICFILES_FINDERS = [
     "django.contrib.staticfiles.finders.AppDirectoriesFinder",
     "leaderboard.staticfinders.PlotlyFinder",
 ]
+# Throttling (django-ratelimit; "N/period", period s, m, h or d, e.g. 10/15m): sign-ups and
+# log-in attempts per client address, log-in attempts per user name, API tokens created per
+# user. Counted in Django's cache: per web process unless SPECBOARD_CACHE_URL is redis://.
+SPECBOARD_SIGNUP_RATE = env_str("SPECBOARD_SIGNUP_RATE", "5/h")
+SPECBOARD_LOGIN_RATE = env_str("SPECBOARD_LOGIN_RATE", "10/15m")
+SPECBOARD_TOKEN_RATE = env_str("SPECBOARD_TOKEN_RATE", "10/h")
+RATELIMIT_VIEW = "leaderboard.views.rate_limited"
 # Drafters one user may submit per 24 hours (staff are not limited; 0 = no limit).
 SPECBOARD_SUBMISSIONS_PER_DAY = env_int("SPECBOARD_SUBMISSIONS_PER_DAY", 5)
 # Largest upload (all files of one drafter together, archives as decompressed).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import sys
 
 from django.conf import settings
 from django.contrib import messages
@@ -10,11 +11,16 @@ from django.contrib.auth import login
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
 from django.core.cache import cache
-from django.http import FileResponse, Http404, JsonResponse
+from django.db import InterfaceError, OperationalError
+from django.http import (FileResponse, Http404, HttpResponse, HttpResponseServerError,
+                         JsonResponse, QueryDict)
 from django.shortcuts import get_object_or_404, redirect, render
+from django.template import loader
 from django.template.loader import render_to_string
 from django.urls import reverse
+from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_GET, require_POST
+from django_ratelimit.decorators import ratelimit
 
 from worker import analysis
 from worker.checkpoint import Upload
@@ -45,9 +51,22 @@ def _float(value, allowed=None):
     return v if allowed is None or v in allowed else None
 
 
+# The leaderboard's query parameters: its links carry these and nothing else, and its cached
+# table is keyed by all of them (an unknown parameter can never reach a cached link).
+BOARD_PARAMS = ("protocol", "target", "task", "batch_size", "temperature", "k", "method",
+                "sort", "dir", "page")
+
+
+def _board_params(request) -> list[tuple[str, list[str]]]:
+    return [(k, request.GET.getlist(k)) for k in BOARD_PARAMS if k in request.GET]
+
+
 def _query(request, **changes):
-    """The current query string with some parameters changed (None removes one)."""
-    q = request.GET.copy()
+    """The leaderboard's query string (BOARD_PARAMS only) with some parameters changed
+    (None removes one)."""
+    q = QueryDict(mutable=True)
+    for k, values in _board_params(request):
+        q.setlist(k, values)
     for k, v in changes.items():
         if v is None:
             q.pop(k, None)
@@ -148,7 +167,7 @@ def home(request):
 
     fragment = cached_fragment(
         lambda: ("board", board.leaderboard_signature(protocol), sorted(filters.items()),
-                 page, request.GET.get("protocol"), request.GET.get("target")), build)
+                 page, _board_params(request)), build)
     ref = shapes.protocol_ref(protocol)
     return render(request, "leaderboard/home.html", {
         "protocol": shapes.protocol_summary(protocol), "board_html": fragment["html"],
@@ -167,7 +186,8 @@ def home(request):
 @require_GET
 def drafter_detail(request, slug):
     overview = drafters.drafter_overview(slug, request.GET.get("protocol"))
-    if overview is None:
+    if overview is None or not permissions.can_see(request.user,
+                                                    overview["drafter"]["review_state"]):
         raise Http404("no such drafter")
     page = {k: v for k, v in overview.items() if not k.startswith("_")}
     k_param, t_param = request.GET.get("k"), request.GET.get("temperature")
@@ -197,7 +217,8 @@ def drafter_detail(request, slug):
     else:
         fragment = cached_fragment(lambda: ("drafter", drafters.drafter_signature(overview),
                                             k_param, t_param), build)
-    manage = permissions.is_owner_or_staff(request.user, page["drafter"]["owner_id"])
+    manage = permissions.can_manage(request.user, page["drafter"]["owner_id"],
+                                    page["drafter"]["review_state"])
     return render(request, "leaderboard/drafter.html", {
         "page": fragment.get("page", page), "d": page["drafter"],
         "results_html": fragment["html"], "can_manage": manage,
@@ -247,7 +268,7 @@ def submit(request):
                 claimed_acceptance_length=data["claimed_acceptance_length"],
                 claimed_speedup=data["claimed_speedup"], claimed_source=data["claimed_source"])
         except submissions.SubmissionRefused as e:
-            if e.existing is not None:
+            if e.existing is not None and permissions.can_see(request.user, e.existing.review_state):
                 existing_url = reverse("drafter", args=[e.existing.slug])
             form.add_problems(e.problems, existing_url)
         else:
@@ -270,13 +291,19 @@ def queue(request):
     user = request.user
     for r in data["active"] + data["finished"]:
         r["can_cancel"] = (r["state"] in (Run.QUEUED, Run.RUNNING)
-                           and permissions.is_owner_or_staff(user, r["owner_id"]))
+                           and permissions.can_manage(user, r["owner_id"],
+                                                      (r["drafter"] or {}).get("review_state")))
     return render(request, "leaderboard/queue.html", {"q": data, "hardware": hardware})
+
+
+# The largest id a database row can have (a 64-bit signed integer).
+MAX_ID = 2 ** 63 - 1
 
 
 @require_GET
 def queue_progress(request):
-    ids = [i for i in request.GET.get("ids", "").split(",") if i.strip().isdigit()]
+    ids = [i for i in (_int(v, None) for v in request.GET.get("ids", "").split(",")[:200])
+           if i is not None and 0 < i <= MAX_ID]
     return JsonResponse({"runs": run_reads.run_progress(ids)})
 
 
@@ -299,7 +326,9 @@ def run_cancel(request, run_id):
 @require_GET
 def run_artifact(request, run_id):
     """The raw per-request records of a run (gzipped JSON lines), through the storage."""
-    run = get_object_or_404(Run, pk=run_id)
+    run = get_object_or_404(Run.objects.select_related("drafter"), pk=run_id)
+    if not permissions.can_see_run(request.user, run):
+        raise Http404("no such run")
     if not run.artifact:
         raise Http404("this run has no raw data yet")
     return FileResponse(run.artifact.open("rb"), as_attachment=True,
@@ -365,7 +394,8 @@ def run_detail(request, run_id):
     """One run: state, engine, drift between its baseline passes, and every cell with its
     validity marks (self-checks), host load and the baseline cell its speedup divides by."""
     page = run_reads.run_page(run_id)
-    if page is None:
+    if page is None or not permissions.can_see(
+            request.user, (page["run"].get("drafter") or {}).get("review_state")):
         raise Http404("no such run")
     return render(request, "leaderboard/run.html", page)
 
@@ -407,6 +437,23 @@ def protocol_pays(request, slug, version):
 
 # ---- accounts ----------------------------------------------------------------------------
 
+def _rate(setting):
+    """A django-ratelimit rate read from the settings when the request comes."""
+    return lambda group, request: getattr(settings, setting)
+
+
+def rate_limited(request, exception):
+    """RATELIMIT_VIEW: a throttled sign-up, log-in or token creation."""
+    return render(request, "429.html", status=429)
+
+
+# Log-in attempts: per client address and per user name (LoginView in urls.py).
+login_throttle = [ratelimit(key="ip", rate=_rate("SPECBOARD_LOGIN_RATE"), method="POST"),
+                  ratelimit(key="post:username", rate=_rate("SPECBOARD_LOGIN_RATE"),
+                            method="POST")]
+
+
+@ratelimit(key="ip", rate=_rate("SPECBOARD_SIGNUP_RATE"), method="POST")
 def signup(request):
     if request.user.is_authenticated:
         return redirect("home")
@@ -415,11 +462,22 @@ def signup(request):
         user = form.save()
         login(request, user, backend="django.contrib.auth.backends.ModelBackend")
         messages.success(request, f"Welcome, {user.username}.")
-        return redirect(request.GET.get("next") or "home")
+        return redirect(safe_next(request) or "home")
     return render(request, "registration/signup.html", {"form": form})
 
 
+def safe_next(request) -> str | None:
+    """The ?next= address when it stays on this site (Django's own check, as its login view
+    does), else None: never a redirect to another host or a javascript: URL."""
+    target = request.POST.get("next") or request.GET.get("next")
+    if target and url_has_allowed_host_and_scheme(
+            target, allowed_hosts={request.get_host()}, require_https=request.is_secure()):
+        return target
+    return None
+
+
 @login_required
+@ratelimit(key="user", rate=_rate("SPECBOARD_TOKEN_RATE"), method="POST")
 def account_settings(request):
     new_token = None
     form = TokenForm(request.POST or None)
@@ -437,3 +495,18 @@ def account_settings(request):
     })
     response["Cache-Control"] = "no-store"  # a new token is shown once, never cached
     return response
+
+
+# ---- errors ----------------------------------------------------------------------------
+
+def server_error(request):
+    """handler500: a database that does not answer (stopped, restarting, unreachable) is a
+    503 with a short page that needs no database and no static files; anything else the
+    plain 500 page. Django calls this inside its except block, so the error is at hand."""
+    error = sys.exc_info()[1]
+    if isinstance(error, (OperationalError, InterfaceError)):
+        response = HttpResponse(loader.get_template("503.html").render(), status=503)
+        response["Retry-After"] = "30"
+        return response
+    return HttpResponseServerError("<h1>Server error</h1><p>Something went wrong on our side; "
+                                   "it has been logged.</p>")

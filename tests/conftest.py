@@ -16,6 +16,15 @@ def data_dir() -> Path:
     return Path(os.environ.get("SPECBOARD_DATA_DIR", ROOT / "var" / "data"))
 
 
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    """Each test starts with an empty cache: throttling counters (django-ratelimit) and page
+    fragments of one test never reach another."""
+    from django.core.cache import cache
+
+    cache.clear()
+
+
 @pytest.fixture(scope="session")
 def demo_target_dir() -> Path:
     """The real demo target (SmolLM2-135M-Instruct) as a safetensors checkpoint."""

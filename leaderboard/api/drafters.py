@@ -104,6 +104,9 @@ class WithdrawOut(Out):
 @router.get("/drafters", response={200: DrafterPage, **error_responses(422)},
             tags=["reads"], summary="Drafters (withdrawn and rejected ones only on request)")
 def list_drafters(request, filters: Query[DrafterFilters]):
+    """Rejected drafters are listed for staff only (signed in to the site)."""
+    if not permissions.can_see(request.user, filters.review_state):
+        return {"count": 0, "limit": filters.limit, "offset": filters.offset, "items": []}
     count, items = drafters.drafters_page(
         target=filters.target, method=filters.method, owner=filters.owner,
         review_state=filters.review_state, limit=filters.limit, offset=filters.offset)
@@ -114,7 +117,7 @@ def list_drafters(request, filters: Query[DrafterFilters]):
             tags=["reads"], summary="One drafter, its files and its runs")
 def get_drafter(request, slug: str = DRAFTER_SLUG):
     page = drafters.drafter_page(slug)
-    if page is None:
+    if page is None or not permissions.can_see(request.user, page["drafter"]["review_state"]):
         raise not_found("slug", f"no drafter {slug!r}: see /api/drafters")
     return {"drafter": page["drafter"], "files": page["files"],
             "runs": [api_run(r) for r in page["runs"]]}

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from django.core.exceptions import RequestDataTooBig, TooManyFieldsSent, TooManyFilesSent
+from django.db import InterfaceError, OperationalError
 from django.http import Http404
 from ninja import NinjaAPI, Schema
 from ninja.errors import AuthenticationError, HttpError, ValidationError
@@ -61,6 +62,11 @@ def error_responses(*codes):
     return {c: ERRORS[c] for c in codes}
 
 
+DATABASE_UNAVAILABLE = ("the database is unavailable right now; nothing was changed: try "
+                        "again in a minute")
+RETRY_AFTER_S = 30
+
+
 def add_exception_handlers(api: NinjaAPI) -> None:
     """Register on `api` the handlers that give every error the ErrorOut shape."""
 
@@ -111,6 +117,15 @@ def add_exception_handlers(api: NinjaAPI) -> None:
     @api.exception_handler(TooManyFieldsSent)
     def _too_many_fields(request, exc):
         return error(request, 413, problem("(request)", "fields", str(exc)))
+
+    def _database_unavailable(request, exc):
+        """The database is away (stopped, restarting, unreachable): a 503 the client can
+        retry, in the error shape, never a traceback."""
+        return error(request, 503, problem("(request)", "database", DATABASE_UNAVAILABLE),
+                     headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    api.exception_handler(OperationalError)(_database_unavailable)
+    api.exception_handler(InterfaceError)(_database_unavailable)
 
     @api.exception_handler(submissions.SubmissionRefused)
     def _refused(request, exc: submissions.SubmissionRefused):

@@ -115,7 +115,8 @@ def list_runs(request, filters: Query[RunFilters]):
             tags=["reads"], summary="One run: state, progress, queue position, error")
 def get_run(request, run_id: int = RUN_ID):
     run = run_reads.run_with_position(run_id)
-    if run is None:
+    if run is None or not permissions.can_see(
+            request.user, (run.get("drafter") or {}).get("review_state")):
         raise not_found("run_id", f"no run {run_id}")
     return api_run(run)
 
@@ -129,8 +130,8 @@ def get_run(request, run_id: int = RUN_ID):
                 "content": {"application/gzip": {"schema": {"type": "string",
                                                             "format": "binary"}}}}}})
 def run_artifact(request, run_id: int = RUN_ID):
-    run = Run.objects.filter(pk=run_id).only("pk", "state", "artifact").first()
-    if run is None:
+    run = Run.objects.filter(pk=run_id).select_related("drafter").first()
+    if run is None or not permissions.can_see_run(request.user, run):
         raise not_found("run_id", f"no run {run_id}")
     if not run.artifact:
         raise not_found("artifact", f"run {run_id} is {run.state} and has no raw data yet: "

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, InterfaceError, OperationalError, connection, transaction
 from django.db.models import F, Q
 from django.db.models.functions import Coalesce
 from django.utils import timezone
@@ -377,6 +377,38 @@ def run_log_path(run: Run) -> Path:
 
 # ---- measuring -----------------------------------------------------------------------
 
+def _drop_connection():
+    """Forget a connection that broke, so that the next query opens a new one."""
+    try:
+        connection.close()
+    except (OperationalError, InterfaceError):
+        pass  # it is closed either way
+
+
+def through_outage(write, what: str):
+    """Run a database write of a measuring run, waiting out a database that does not answer
+    (stopped, restarting, unreachable) for up to SPECBOARD_DB_OUTAGE_WAIT_S: the connection
+    is dropped and the write tried again every few seconds. The measurement goes on meanwhile
+    (the child's results wait in its pipe), so no cell is lost, and writes are upserts, so
+    none is doubled. After the wait the error is raised as before."""
+    deadline = time.monotonic() + settings.DB_OUTAGE_WAIT_S
+    delay, warned = 1.0, False
+    while True:
+        try:
+            return write()
+        except (OperationalError, InterfaceError) as e:
+            if time.monotonic() + delay > deadline:
+                raise
+            if not warned:
+                log.warning("database unavailable while %s (%s); waiting up to %ss for it",
+                            what, str(e).strip().splitlines()[0] if str(e).strip() else
+                            type(e).__name__, settings.DB_OUTAGE_WAIT_S)
+                warned = True
+            _drop_connection()
+            time.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+
 def execute_run(run_id: int, host: str | None = None, progress=None) -> str | None:
     """Measure one run to its end. Returns its final state, or None if not ours."""
     run = claim(run_id, host or worker_host())
@@ -389,17 +421,22 @@ def execute_run(run_id: int, host: str | None = None, progress=None) -> str | No
     def on_event(event):
         nonlocal measured
         if isinstance(event, dict) and event.get("type") == "started":
-            record_started(run, event)
+            through_outage(lambda: record_started(run, event), "recording the engine")
             return
-        record_cell(run, event)
+        through_outage(lambda: record_cell(run, event), f"recording a cell of run {run.pk}")
         measured += 1
-        update_progress(run, measured, started)
+        through_outage(lambda: update_progress(run, measured, started), "writing progress")
         if progress:
             progress(run)
 
     def should_stop():
         # Called after every cell and every couple of seconds: a heartbeat, and the flag.
-        return heartbeat_and_cancel_flag(run)
+        # While the database is away the measurement goes on (the next call tries again).
+        try:
+            return heartbeat_and_cancel_flag(run)
+        except (OperationalError, InterfaceError):
+            _drop_connection()
+            return False
 
     try:
         job = build_job(run)
@@ -419,9 +456,11 @@ def execute_run(run_id: int, host: str | None = None, progress=None) -> str | No
         finish(run, Run.FAILED, f"{type(e).__name__}: {e}", log_tail(log_path))
         return Run.FAILED
     if outcome == "stopped":
-        finish(run, Run.CANCELLED, "cancelled by request", log_tail(log_path))
+        through_outage(lambda: finish(run, Run.CANCELLED, "cancelled by request",
+                                      log_tail(log_path)), "finishing the run")
         return Run.CANCELLED
-    finish(run, Run.SUCCEEDED, tail=log_tail(log_path))
+    through_outage(lambda: finish(run, Run.SUCCEEDED, tail=log_tail(log_path)),
+                   "finishing the run")
     return Run.SUCCEEDED
 
 

@@ -97,13 +97,22 @@ def params_sha256(method: str, params: dict) -> str:
 
 
 def find_duplicate(content_sha256: str, protocol: Protocol) -> Drafter | None:
-    """A drafter with the same content already measured or queued under this protocol."""
-    return (Drafter.objects.filter(content_sha256=content_sha256, target=protocol.target,
-                                   runs__protocol=protocol)
-            .exclude(review_state__in=("withdrawn", "rejected")).order_by("created_at").first())
+    """A drafter with the same content that staff rejected (for this target, under any
+    name and protocol: a rejection is final), or one already measured or queued under this
+    protocol and not withdrawn."""
+    same = Drafter.objects.filter(content_sha256=content_sha256, target=protocol.target)
+    rejected = same.filter(review_state="rejected").order_by("created_at").first()
+    if rejected is not None:
+        return rejected
+    return (same.filter(runs__protocol=protocol).exclude(review_state="withdrawn")
+            .order_by("created_at").first())
 
 
 def duplicate_problem(existing: Drafter, file="(upload)") -> Problem:
+    if existing.review_state == "rejected":
+        return Problem(file, "content_sha256",
+                       f"the same content (sha256 {existing.content_sha256[:12]}...) was "
+                       "rejected by the site's staff; it cannot be submitted again")
     url = reverse("drafter", args=[existing.slug])
     return Problem(file, "content_sha256",
                    f"the same content (sha256 {existing.content_sha256[:12]}...) was already "

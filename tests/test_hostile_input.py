@@ -1,0 +1,244 @@
+"""Hostile input, closed (issue: faults and attacks): every finding of the security review
+with a test that failed before its fix. Real database rows, real pages and API."""
+import json
+import re
+
+import pytest
+from django.contrib.auth.models import User
+from django.core.cache import cache
+from django.urls import reverse
+
+from leaderboard import tokens
+from leaderboard.models import Drafter, Run
+
+from . import factories as f
+
+pytestmark = pytest.mark.django_db
+
+MARKUP = '<a href="https://evil.example/">x</a><script>alert(1)</script>'
+
+
+def figures(html):
+    return {m.group(1): json.loads(m.group(2)) for m in re.finditer(
+        r'<script type="application/json" id="fig-([\w-]+)">(.*?)</script>', html, re.S)}
+
+
+# ---- redirects ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("target", ["https://evil.example/", "//evil.example/x",
+                                    "javascript:alert(1)", "https:///evil.example"])
+def test_sign_up_never_redirects_off_the_site(client, target):
+    response = client.post(reverse("signup") + "?next=" + target, {
+        "username": "newcomer", "password1": "a long pass phrase 123",
+        "password2": "a long pass phrase 123"})
+    assert response.status_code == 302
+    assert response["Location"] == reverse("home")
+
+
+def test_sign_up_keeps_a_local_next(client):
+    response = client.post(reverse("signup") + "?next=/queue/", {
+        "username": "newcomer", "password1": "a long pass phrase 123",
+        "password2": "a long pass phrase 123"})
+    assert response.status_code == 302 and response["Location"] == "/queue/"
+
+
+# ---- malformed query values --------------------------------------------------------------
+
+@pytest.mark.parametrize("url", [
+    "/queue/progress.json?ids=99999999999999999999999",
+    "/queue/progress.json?ids=-1,abc,1e9,%00",
+    "/runs/99999999999999999999999/",
+    "/runs/99999999999999999999999/artifact/",
+    "/protocols/pages/v99999999999999999999999/",
+    "/?page=99999999999999999999999&k=99999999999999999999&batch_size=-5&temperature=nan",
+    "/compare/?protocol=pages@99999999999999999999&d=x",
+    "/api/runs/99999999999999999999999",
+])
+def test_malformed_values_are_never_a_500(client, url):
+    target = f.make_target()
+    f.seed_board(f.make_protocol(target), 1)
+    assert client.get(url).status_code in (200, 404, 422)
+
+
+# ---- user text is plain text everywhere ----------------------------------------------------
+
+@pytest.fixture
+def hostile_board():
+    target = f.make_target()
+    protocol = f.make_protocol(target)
+    seeded = f.seed_board(protocol, 2)
+    d = seeded["drafters"][0]
+    d.name = MARKUP
+    d.description = MARKUP
+    d.link = "javascript:alert(1)"
+    d.claimed_source = "javascript:alert(2)"
+    d.claimed_speedup = 1.5
+    d.save()
+    return {"protocol": protocol, "drafter": d, **seeded}
+
+
+def chart_texts(figs):
+    """Every string a chart shows that comes from the data: names, labels, point text."""
+    for fig in figs.values():
+        for trace in fig["data"]:
+            for key in ("name", "text", "hovertext", "x", "y"):
+                value = trace.get(key)
+                values = value if isinstance(value, list) else [value]
+                for v in values:
+                    for item in (v if isinstance(v, list) else [v]):
+                        if isinstance(item, str):
+                            yield item
+
+
+def test_markup_in_user_text_is_escaped_on_every_page_and_chart(client, hostile_board):
+    d, protocol = hostile_board["drafter"], hostile_board["protocol"]
+    ref = f"{protocol.slug}@{protocol.version}"
+    other = hostile_board["drafters"][1]
+    pages = [
+        reverse("home"),
+        reverse("drafter", args=[d.slug]),
+        reverse("compare") + f"?protocol={ref}&d={d.slug}&d={other.slug}",
+        reverse("protocol_pays", args=[protocol.slug, protocol.version]),
+        reverse("queue"),
+    ]
+    for url in pages:
+        response = client.get(url)
+        assert response.status_code == 200, url
+        html = response.content.decode()
+        assert MARKUP not in html and "<script>alert(1)" not in html, url
+        assert 'href="javascript:' not in html, url
+        texts = list(chart_texts(figures(html)))
+        for text in texts:
+            assert "<a " not in text and "<script" not in text, (url, text)
+    drafter_figs = figures(client.get(reverse("drafter", args=[d.slug])).content.decode())
+    assert any("&lt;a href" in t for t in chart_texts(drafter_figs)) or not drafter_figs
+    compare_figs = figures(client.get(pages[2]).content.decode())
+    names = [t for t in chart_texts(compare_figs) if "evil.example" in t]
+    assert names and all(t.startswith("&lt;a href=") for t in names), names
+
+
+def test_markup_in_user_text_comes_back_as_data_from_the_api(client, hostile_board):
+    d = hostile_board["drafter"]
+    body = client.get(f"/api/drafters/{d.slug}").json()
+    assert body["drafter"]["name"] == MARKUP  # JSON data, not markup: the client renders it
+    assert client.get(f"/api/drafters/{d.slug}")["Content-Type"].startswith("application/json")
+
+
+# ---- the page cache --------------------------------------------------------------------------
+
+def test_cached_leaderboard_links_never_carry_foreign_parameters(client, settings):
+    settings.SPECBOARD_PAGE_CACHE_SECONDS = 300
+    cache.clear()
+    target = f.make_target()
+    f.seed_board(f.make_protocol(target), 2)
+    poisoned = client.get("/?utm=1&next=https://evil.example/").content.decode()
+    assert "evil.example" not in poisoned
+    clean = client.get("/").content.decode()
+    assert "evil.example" not in clean and "utm=" not in clean
+    sorted_page = client.get("/?sort=name&dir=asc").content.decode()
+    assert "sort=name" in sorted_page
+
+
+# ---- moderation ---------------------------------------------------------------------------
+
+@pytest.fixture
+def rejected(settings, tmp_path):
+    settings.MEDIA_ROOT = tmp_path / "media"
+    owner = User.objects.create_user("owner")
+    target = f.make_target()
+    protocol = f.make_protocol(target, slug="pages")
+    seeded = f.seed_board(protocol, 1)
+    d = f.make_drafter(target, "bad one", owner=owner, content_sha256="ab" * 32,
+                       params={"prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    run = f.make_run(protocol, d)
+    f.add_drafter_results(run, 0.5, seeded["baseline_results"])
+    d.review_state = "rejected"
+    d.save()
+    return {"owner": owner, "drafter": d, "run": run, "protocol": protocol,
+            "token": tokens.create_token(owner, "t")[1]}
+
+
+def test_a_rejected_drafter_is_hidden_from_everyone_but_staff(client, rejected):
+    d, run = rejected["drafter"], rejected["run"]
+    client.force_login(rejected["owner"])
+    for url in (reverse("drafter", args=[d.slug]), reverse("run", args=[run.pk]),
+                reverse("run_artifact", args=[run.pk]), f"/api/drafters/{d.slug}",
+                f"/api/runs/{run.pk}", f"/api/runs/{run.pk}/artifact"):
+        assert client.get(url).status_code == 404, url
+    listed = client.get("/api/drafters", {"review_state": "rejected"}).json()
+    assert listed["count"] == 0
+    staff = User.objects.create_user("staff", is_staff=True)
+    client.force_login(staff)
+    assert client.get(reverse("drafter", args=[d.slug])).status_code == 200
+    assert client.get(f"/api/drafters/{d.slug}").status_code == 200
+
+
+def test_a_rejection_is_final_for_the_owner(client, rejected):
+    d = rejected["drafter"]
+    response = client.post(f"/api/drafters/{d.slug}/withdraw",
+                           headers={"Authorization": f"Bearer {rejected['token']}"})
+    assert response.status_code == 403
+    client.force_login(rejected["owner"])
+    assert client.post(reverse("drafter_withdraw", args=[d.slug])).status_code == 403
+    assert client.post(reverse("drafter_edit", args=[d.slug]), {"name": "renamed"}).status_code == 403
+    d.refresh_from_db()
+    assert d.review_state == "rejected" and d.name == "bad one"
+
+
+def test_rejected_content_cannot_come_back_under_a_new_name(client, rejected, settings):
+    settings.SPECBOARD_SUBMISSIONS_PER_DAY = 0
+    from leaderboard.services import submissions
+
+    d = rejected["drafter"]
+    params = submissions.check_params("ngram", {"prompt_lookup_min": 1, "prompt_lookup_max": 3},
+                                      rejected["protocol"])
+    content = submissions.params_sha256("ngram", params)
+    Drafter.objects.filter(pk=d.pk).update(content_sha256=content)
+    before = (Drafter.objects.count(), Run.objects.count())
+    response = client.post("/api/drafters", {
+        "protocol": "pages@1", "method": "ngram", "name": "a fresh name",
+        "prompt_lookup_min": "1", "prompt_lookup_max": "3"},
+        headers={"Authorization": f"Bearer {rejected['token']}"})
+    assert response.status_code == 409
+    assert "rejected" in response.json()["detail"][0]["message"]
+    assert d.slug not in response.content.decode()
+    assert (Drafter.objects.count(), Run.objects.count()) == before
+
+
+# ---- throttling -----------------------------------------------------------------------------
+
+def test_sign_ups_from_one_address_are_throttled(client, settings):
+    settings.SPECBOARD_SIGNUP_RATE = "3/h"
+    codes = []
+    for i in range(5):
+        client.logout()
+        codes.append(client.post(reverse("signup"), {
+            "username": f"user{i}", "password1": "a long pass phrase 123",
+            "password2": "a long pass phrase 123"}).status_code)
+    assert codes == [302, 302, 302, 429, 429]
+    assert User.objects.count() == 3
+
+
+def test_log_in_attempts_are_throttled_per_user_name(client, settings):
+    settings.SPECBOARD_LOGIN_RATE = "4/15m"
+    User.objects.create_user("victim", password="the right pass phrase 1")
+    codes = [client.post(reverse("login"), {"username": "victim", "password": f"guess {i}"},
+                         REMOTE_ADDR=f"10.0.0.{i}").status_code for i in range(6)]
+    assert codes[:4] == [200] * 4 and codes[4:] == [429, 429]  # other addresses, same name
+    # the right password is refused too while throttled: guessing gains nothing
+    right = client.post(reverse("login"), {"username": "victim",
+                                           "password": "the right pass phrase 1"},
+                        REMOTE_ADDR="10.0.0.99")
+    assert right.status_code == 429 and "_auth_user_id" not in client.session
+
+
+def test_api_token_creation_is_throttled_per_user(client, settings):
+    from leaderboard.models import ApiToken
+
+    settings.SPECBOARD_TOKEN_RATE = "2/h"
+    user = User.objects.create_user("maker")
+    client.force_login(user)
+    codes = [client.post(reverse("account_settings"), {"name": f"t{i}"}).status_code
+             for i in range(4)]
+    assert codes == [200, 200, 429, 429]
+    assert ApiToken.objects.filter(user=user).count() == 2
