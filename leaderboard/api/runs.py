@@ -61,7 +61,8 @@ class RunOut(Out):
     engine_version: str = Field(description="engine version, e.g. the vllm version")
     versions: dict[str, Any] = Field(description="versions of vllm, torch, transformers")
     hardware_description: str = Field(description="the hardware, in words")
-    engine_args: dict[str, Any] = Field(description="engine arguments")
+    engine_args: dict[str, Any] = Field(description="engine arguments, and the engine's "
+                                                    "environment under `environment`")
     error: str = Field(description="why it failed (empty otherwise)")
     log_tail: str = Field(description="last lines of its log, for a failure")
     artifact_url: Optional[str] = Field(description="download of the raw per-request "

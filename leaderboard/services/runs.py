@@ -259,7 +259,10 @@ def record_started(run: Run, info: dict):
     run.engine_version = info.get("engine_version", "")
     run.versions = info.get("versions", {})
     run.hardware_description = info.get("hardware_description", "")
-    run.engine_args = info.get("engine_args", {})
+    # The engine's environment (KV cache size, thread binding, the tcmalloc preload) is part
+    # of how it ran: kept with its arguments, under "environment".
+    run.engine_args = {**info.get("engine_args", {}),
+                       "environment": info.get("engine_env", {})}
     run.save(update_fields=["engine_version", "versions", "hardware_description", "engine_args"])
     if run.engine_version and needs_shared_baseline(run.protocol, run.drafter, run.engine_version):
         queue_run(run.protocol, None)

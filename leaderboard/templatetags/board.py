@@ -83,3 +83,11 @@ def interval(row, prefix="speedup"):
     if lo is None or hi is None:
         return ""
     return f"[{lo:.2f}, {hi:.2f}]"
+
+
+@register.filter
+def web_url(value):
+    """A user-given address as a link target: only http(s) URLs are links (a javascript: or
+    data: address is never an href, whatever slipped past the form); else empty."""
+    text = str(value or "").strip()
+    return text if text.lower().startswith(("http://", "https://")) else ""

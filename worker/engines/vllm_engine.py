@@ -112,9 +112,15 @@ def apply_engine_env(hardware: str) -> dict:
     tcmalloc preload is put first in LD_PRELOAD, keeping what is there (vLLM adds torch's
     libgomp to it)."""
     env = engine_env(hardware)
+    have = [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p]
+    if "LD_PRELOAD" not in env:
+        # Preload off: an earlier engine of this process may have left it in LD_PRELOAD.
+        mine = os.environ.get("SPECBOARD_TCMALLOC_PATH", TCMALLOC_PATH)
+        kept = [p for p in have if p != mine]
+        if kept != have:
+            os.environ["LD_PRELOAD"] = ":".join(kept)
     for key, value in env.items():
         if key == "LD_PRELOAD":
-            have = [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p]
             if value not in have:
                 os.environ["LD_PRELOAD"] = ":".join([value, *have])
         else:

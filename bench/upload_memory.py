@@ -1,0 +1,196 @@
+"""Peak memory of the site while it takes a large upload (a benchmark, not a test).
+
+Starts the site under gunicorn (one sync worker, a throw-away SQLite database), submits a
+draft-model checkpoint of each size through POST /api/drafters as one streamed multipart
+body, and prints the web worker's peak resident memory (VmHWM) after each upload, a fresh
+server per size, side by side. The goal is flat memory: the upload streams to a temporary
+file (Django's TemporaryFileUploadHandler), through validation in chunks and into the
+storage, so a 2 GiB upload peaks where a 200 MiB one does.
+
+    .venv/bin/python bench/upload_memory.py [--sizes-mib 200,2048]
+
+The checkpoint is a one-layer Llama draft model for a tiny target (vocab 64, hidden 16)
+whose MLP is made as wide as the size asks; its weights are zeros, written and sent in
+chunks, so the client needs no memory either. Needs about twice the largest size on disk.
+"""
+import argparse
+import http.client
+import json
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VOCAB, HIDDEN = 64, 16
+CHUNK = 8 << 20
+
+
+def llama_config(intermediate):
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
+            "hidden_size": HIDDEN, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "intermediate_size": intermediate,
+            "tie_word_embeddings": True}
+
+
+def write_checkpoint(folder: Path, size_bytes: int) -> tuple[Path, Path]:
+    """config.json and model.safetensors of about size_bytes, zeros written in chunks."""
+    intermediate = max(32, size_bytes // (3 * HIDDEN * 4))
+    shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "model.norm.weight": (HIDDEN,),
+              "model.layers.0.input_layernorm.weight": (HIDDEN,),
+              "model.layers.0.post_attention_layernorm.weight": (HIDDEN,),
+              "model.layers.0.self_attn.q_proj.weight": (HIDDEN, HIDDEN),
+              "model.layers.0.self_attn.k_proj.weight": (8, HIDDEN),
+              "model.layers.0.self_attn.v_proj.weight": (8, HIDDEN),
+              "model.layers.0.self_attn.o_proj.weight": (HIDDEN, HIDDEN),
+              "model.layers.0.mlp.gate_proj.weight": (intermediate, HIDDEN),
+              "model.layers.0.mlp.up_proj.weight": (intermediate, HIDDEN),
+              "model.layers.0.mlp.down_proj.weight": (HIDDEN, intermediate)}
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        n = 4
+        for d in shape:
+            n *= d
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    weights = folder / "model.safetensors"
+    with open(weights, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        zeros = bytes(CHUNK)
+        left = offset
+        while left:
+            n = min(left, CHUNK)
+            f.write(zeros[:n])
+            left -= n
+    config = folder / "config.json"
+    config.write_text(json.dumps(llama_config(intermediate)))
+    return config, weights
+
+
+def manage(env, *args):
+    done = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode:
+        sys.exit(f"manage.py {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}")
+    return done.stdout
+
+
+SETUP = """
+from django.contrib.auth.models import User
+from leaderboard import tokens
+from leaderboard.models import Protocol, Target
+from worker.protocol import ProtocolSpec, TaskSpec
+t = Target.objects.create(slug="tiny", name="tiny", path="/nonexistent", weights_sha256="0" * 64,
+                          vocab_size=64, hidden_size=16, num_layers=4)
+spec = ProtocolSpec(slug="bench", version=1, target="tiny", target_sha256="0" * 64,
+                    engine="vllm", hardware="cpu", tasks=(TaskSpec("chat", "none", "", 1),),
+                    batch_sizes=(1,), ks=(2,), baseline="shared")
+Protocol.objects.create(target=t, spec=spec.to_dict())
+u = User.objects.create_user("bench")
+print("TOKEN" + tokens.create_token(u, "bench")[1])
+"""
+
+
+def peak_rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return 0
+
+
+def upload(port, token, files) -> tuple[int, str, float]:
+    boundary = uuid.uuid4().hex
+    fields = {"protocol": "bench@1", "method": "draft_model", "name": f"big {uuid.uuid4().hex[:6]}"}
+    parts = [(f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n')
+             .encode() for k, v in fields.items()]
+    heads = [(f'--{boundary}\r\nContent-Disposition: form-data; name="files"; '
+              f'filename="{p.name}"\r\nContent-Type: application/octet-stream\r\n\r\n').encode()
+             for p in files]
+    tail = f"--{boundary}--\r\n".encode()
+    length = (sum(map(len, parts)) + sum(map(len, heads)) + sum(p.stat().st_size + 2 for p in files)
+              + len(tail))
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
+    t0 = time.monotonic()
+    conn.putrequest("POST", "/api/drafters")
+    conn.putheader("Authorization", f"Bearer {token}")
+    conn.putheader("Content-Type", f"multipart/form-data; boundary={boundary}")
+    conn.putheader("Content-Length", str(length))
+    conn.endheaders()
+    for part in parts:
+        conn.send(part)
+    for head, path in zip(heads, files):
+        conn.send(head)
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(CHUNK), b""):
+                conn.send(chunk)
+        conn.send(b"\r\n")
+    conn.send(tail)
+    response = conn.getresponse()
+    body = response.read().decode(errors="replace")
+    return response.status, body, time.monotonic() - t0
+
+
+def measure(size_mib: int, work: Path) -> dict:
+    var = work / f"var-{size_mib}"
+    env = {**os.environ, "SPECBOARD_VAR_DIR": str(var), "DEBUG": "0",
+           "DATABASE_URL": f"sqlite:///{var / 'db.sqlite3'}",
+           "SPECBOARD_MAX_UPLOAD_BYTES": str(4 << 30), "SPECBOARD_SUBMISSIONS_PER_DAY": "0",
+           "CELERY_BROKER_URL": "memory://"}
+    var.mkdir(parents=True)
+    manage(env, "migrate", "--noinput")
+    token = manage(env, "shell", "-c", SETUP).split("TOKEN", 1)[1].strip()
+    ckpt = work / f"ckpt-{size_mib}"
+    ckpt.mkdir()
+    files = write_checkpoint(ckpt, size_mib << 20)
+    port = 18500 + size_mib % 400
+    server = subprocess.Popen([sys.executable, "-m", "gunicorn", "leaderboard.wsgi", "-b",
+                               f"127.0.0.1:{port}", "-w", "1", "--timeout", "3600"],
+                              cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        for _ in range(200):
+            try:
+                http.client.HTTPConnection("127.0.0.1", port, timeout=2).request("GET", "/api/")
+                break
+            except OSError:
+                time.sleep(0.3)
+        worker = int(subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True,
+                                    text=True).stdout.split()[0])
+        before = peak_rss_kib(worker)
+        status, body, seconds = upload(port, token, files)
+        peak = peak_rss_kib(worker)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    return {"size_mib": size_mib, "bytes": sum(p.stat().st_size for p in files),
+            "status": status, "seconds": seconds, "peak_before_mib": before / 1024,
+            "peak_mib": peak / 1024, "body": body[:300]}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes-mib", default="200,2048")
+    parser.add_argument("--work", default=None, help="folder for the files (default: a temp dir)")
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes_mib.split(",")]
+    with tempfile.TemporaryDirectory(dir=args.work, prefix="specboard-upload-") as work:
+        rows = [measure(s, Path(work)) for s in sizes]
+    print("\nupload size | status | seconds | web worker peak RSS before -> after upload")
+    for r in rows:
+        print(f"{r['bytes'] / 2**20:9.0f} MiB | {r['status']} | {r['seconds']:7.1f} | "
+              f"{r['peak_before_mib']:.0f} MiB -> {r['peak_mib']:.0f} MiB")
+        if r["status"] != 201:
+            print(f"   answer: {r['body']}")
+    if len(rows) > 1:
+        print(f"peak ratio largest / smallest upload: "
+              f"{rows[-1]['peak_mib'] / rows[0]['peak_mib']:.2f} (goal: about 1, flat)")
+
+
+if __name__ == "__main__":
+    main()
