@@ -39,13 +39,15 @@ class OwnPostgres:
     """A PostgreSQL cluster in a folder of its own, on its own port. PostgreSQL refuses to
     run as root, so as root it runs as the `postgres` user."""
 
-    def __init__(self, folder: Path):
-        self.folder, self.port = folder, _free_port()
-        self.data = folder / "data"
+    def __init__(self):
+        import tempfile
+
+        # A folder of its own under /tmp: pytest's tmp_path is not reachable by `postgres`.
+        self.folder, self.port = Path(tempfile.mkdtemp(prefix="specboard-pg-")), _free_port()
+        self.data = self.folder / "data"
         self.as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-        folder.mkdir(parents=True, exist_ok=True)
         if self.as_user:
-            shutil.chown(folder, "postgres")
+            shutil.chown(self.folder, "postgres")
         self._run(_pg_bin("initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres")
         self.url = f"postgres://postgres@127.0.0.1:{self.port}/specboard"
 
@@ -73,9 +75,10 @@ class OwnPostgres:
 
 
 SETUP = """
+from pathlib import Path
 from worker.protocol import ProtocolSpec, TaskSpec
 from leaderboard.services import setup
-target, _ = setup.ensure_target("smollm2", "SmolLM2-135M-Instruct", {target!r})
+target, _ = setup.ensure_target("smollm2", "SmolLM2-135M-Instruct", Path({target!r}))
 qa, _ = setup.import_prompt_set({prompts!r}, "mt-bench", slug="qa")
 spec = ProtocolSpec(slug="outage", version=1, target=target.slug,
                     target_sha256=target.weights_sha256, engine="vllm", hardware="cpu",
@@ -98,7 +101,7 @@ import json; print("PROBE" + json.dumps(out))
 
 def test_a_database_outage_mid_run_loses_and_doubles_no_cell(tmp_path, demo_target_dir,
                                                             prompt_files):
-    pg = OwnPostgres(tmp_path / "pg")
+    pg = OwnPostgres()
     pg.start()
     measuring = None
     try:
@@ -161,6 +164,7 @@ def test_a_database_outage_mid_run_loses_and_doubles_no_cell(tmp_path, demo_targ
             pg.stop()
         except AssertionError:
             pass  # already stopped
+        shutil.rmtree(pg.folder, ignore_errors=True)
 
 
 class OwnRedis:
