@@ -1,4 +1,4 @@
-"""Outages mid-run, on real services: a PostgreSQL of the test's own (initdb, pg_ctl in a
+"""Outages mid-run, on real services (the two that measure are marked vllm): a PostgreSQL of the test's own (initdb, pg_ctl in a
 temporary folder) stopped in the middle of a real vLLM measurement and started again. The run
 finishes once with every cell once, nothing restarted; while the database is away the pages
 answer 503 with a short page and the API 503 in its error shape."""
@@ -14,8 +14,6 @@ from pathlib import Path
 import pytest
 
 from worker.processes import stop_process_group
-
-pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -99,6 +97,7 @@ import json; print("PROBE" + json.dumps(out))
 """
 
 
+@pytest.mark.vllm
 def test_a_database_outage_mid_run_loses_and_doubles_no_cell(tmp_path, demo_target_dir,
                                                             prompt_files):
     pg = OwnPostgres()
@@ -201,6 +200,7 @@ class OwnRedis:
             self.proc.wait(timeout=30)
 
 
+@pytest.mark.vllm
 @pytest.mark.django_db(transaction=True)
 def test_a_broker_restart_mid_run_loses_no_message_and_finishes_each_run_once(
         tmp_path, demo_target_dir, prompt_files, celery_worker_factory):
@@ -242,3 +242,62 @@ def test_a_broker_restart_mid_run_loses_no_message_and_finishes_each_run_once(
             assert len(keys) == len(set(keys)) == run.cells_total
     finally:
         redis.stop()
+
+
+@pytest.mark.django_db
+def test_a_full_disk_during_an_upload_is_a_clear_507_that_stores_nothing(client, settings,
+                                                                          tmp_path):
+    """The storage (MEDIA_ROOT) on a 1 MiB tmpfs, an upload of 2 MiB: refused with a clear
+    message, no file left in the storage, no row."""
+    from django.contrib.auth.models import User
+
+    from leaderboard import tokens
+    from leaderboard.models import Drafter, DrafterFile, Run
+
+    from . import factories as f
+    from .test_submission import HIDDEN, LAYERS, VOCAB, tiny_config
+
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("mounting a small tmpfs needs root")
+    media = tmp_path / "media"
+    media.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(media)],
+                          capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        settings.MEDIA_ROOT = media
+        settings.SPECBOARD_SUBMISSIONS_PER_DAY = 0
+        target = f.make_target(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS)
+        f.make_protocol(target, slug="pages", tasks=("chat",), batch_sizes=(1,), ks=(2,))
+        token = tokens.create_token(User.objects.create_user("owner"), "t")[1]
+        from django.core.files.uploadedfile import SimpleUploadedFile
+        import numpy as np
+        from safetensors.numpy import save as st_save
+
+        # a one-layer draft model whose MLP is wide enough for 2 MiB of weights
+        width = 11000
+        z = lambda *shape: np.zeros(shape, dtype=np.float32)  # noqa: E731
+        p = "model.layers.0."
+        weights = st_save({
+            "model.embed_tokens.weight": z(VOCAB, HIDDEN), "model.norm.weight": z(HIDDEN),
+            p + "input_layernorm.weight": z(HIDDEN), p + "post_attention_layernorm.weight": z(HIDDEN),
+            p + "self_attn.q_proj.weight": z(HIDDEN, HIDDEN), p + "self_attn.k_proj.weight": z(8, HIDDEN),
+            p + "self_attn.v_proj.weight": z(8, HIDDEN), p + "self_attn.o_proj.weight": z(HIDDEN, HIDDEN),
+            p + "mlp.gate_proj.weight": z(width, HIDDEN), p + "mlp.up_proj.weight": z(width, HIDDEN),
+            p + "mlp.down_proj.weight": z(HIDDEN, width)})
+        assert len(weights) > 2 << 20
+        response = client.post("/api/drafters", {
+            "protocol": "pages@1", "method": "draft_model", "name": "too big for the disk",
+            "files": [SimpleUploadedFile("config.json", tiny_config(intermediate_size=width)),
+                      SimpleUploadedFile("model.safetensors", weights)]},
+            headers={"Authorization": f"Bearer {token}"})
+        assert response.status_code in (507, 422), response.content
+        if response.status_code == 422:
+            pytest.fail(f"refused before the storage was reached: {response.content[:300]}")
+        assert "storage is full" in response.json()["detail"][0]["message"]
+        assert list(media.rglob("*.*")) == []
+        assert (Drafter.objects.count(), DrafterFile.objects.count(), Run.objects.count()) == (
+            0, 0, 0)
+    finally:
+        subprocess.run(["umount", str(media)], capture_output=True)

@@ -174,7 +174,7 @@ def _form_problems(form) -> list[dict]:
 
 
 @router.post("/drafters",
-             response={201: SubmitOut, **error_responses(401, 409, 413, 422, 429)},
+             response={201: SubmitOut, **error_responses(401, 409, 413, 422, 429, 507)},
              auth=submit_auth, tags=["writes"], summary="Submit a drafter (multipart)")
 def submit(request, data: Form[SubmitIn],
            files: list[UploadedFile] = File(None, description=(

@@ -54,7 +54,7 @@ def not_manager():
 
 
 ERRORS = {401: ErrorOut, 403: ErrorOut, 404: ErrorOut, 409: ErrorOut, 413: ErrorOut,
-          422: ErrorOut, 429: ErrorOut}
+          422: ErrorOut, 429: ErrorOut, 503: ErrorOut, 507: ErrorOut}
 
 
 def error_responses(*codes):
@@ -134,6 +134,8 @@ def add_exception_handlers(api: NinjaAPI) -> None:
         problems = exc.as_dicts()
         if any(p["field"] == "rate limit" for p in problems):
             status = 429
+        elif any(p["field"] == "storage" for p in problems):
+            status = 507
         elif any(p["field"] == "size" and "upload limit" in p["message"] for p in problems):
             status = 413
         elif exc.existing is not None:

@@ -8,6 +8,7 @@ inside one transaction with the rows, and any failure deletes what was written.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 from datetime import timedelta
 from pathlib import PurePosixPath
@@ -179,19 +180,32 @@ def submit_drafter(*, owner, protocol: Protocol, method: str, name: str, uploads
                 claimed_speedup=claimed_speedup, claimed_source=claimed_source,
                 **(extra_fields or {}))
             for i, f in enumerate(ckpt.files):
+                name = storage_name(content, i, f.name)
+                # A new name is listed before it is written: a write cut short (a full disk)
+                # leaves a partial file under it, removed below like the others. (A name
+                # already taken is another drafter's file: the storage saves under a new one.)
+                pending = None if default_storage.exists(name) else name
+                if pending:
+                    stored.append(pending)
                 with f.open() as fh:
-                    saved = default_storage.save(storage_name(content, i, f.name), File(fh),
-                                                 max_length=FILE_NAME_MAX)
+                    saved = default_storage.save(name, File(fh), max_length=FILE_NAME_MAX)
+                if pending:
+                    stored.pop()
                 stored.append(saved)
                 DrafterFile.objects.create(drafter=drafter, name=f.name, file=saved,
                                            size=f.size, sha256=f.sha256)
             run = runs.queue_run(protocol, drafter, send=send)
-    except BaseException:
+    except BaseException as e:
         for saved in stored:
             try:
-                default_storage.delete(saved)
+                if default_storage.exists(saved):
+                    default_storage.delete(saved)
             except Exception:  # noqa: BLE001 - keep the original error
                 pass
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise SubmissionRefused([Problem(
+                "(upload)", "storage", "the server's storage is full: nothing was stored; "
+                "try again later (the site's operators have been told by their logs)")]) from e
         raise
     finally:
         ckpt.cleanup()
