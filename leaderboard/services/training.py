@@ -7,6 +7,7 @@ it) and read from a local copy under DATA_DIR.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import tempfile
@@ -19,6 +20,7 @@ from django.db import transaction
 from django.utils.text import slugify
 
 from worker.checkpoint import Upload
+from worker.prompts import file_sha256
 
 from ..models import Drafter, Prompt, Protocol, Target, TrainingDataset
 from .setup import ServiceError
@@ -110,21 +112,31 @@ def dataset_local_path(dataset: TrainingDataset) -> Path:
     return local
 
 
+WRITERS = ("vllm", "reference")
+DEFAULT_WRITE_BATCH = {"vllm": 256, "reference": 16}
+
+
 def make_training_data(target: Target, n: int, *, slug: str | None = None, prompts_file=None,
                        seed: int = 0, max_question_tokens: int = 48, max_answer_tokens: int = 192,
-                       answer_temperature: float = 0.0, batch_size: int = 16,
-                       skip_existing: bool = False, progress=None) -> tuple[TrainingDataset, bool]:
+                       answer_temperature: float = 0.0, batch_size: int | None = None,
+                       engine: str = "vllm", skip_existing: bool = False,
+                       progress=None, say=None) -> tuple[TrainingDataset, bool]:
     """Generate (or answer ``prompts_file``) ``n`` conversations with the target and store
     them as the next version of ``slug``. The same content as that slug's newest version is
     a no-op, and so is any existing version with ``skip_existing``. Evaluation prompts are
-    refused (a prompts file) or dropped (generated)."""
-    from worker.engines.reference import ReferenceEngine
+    refused (a prompts file) or dropped (generated).
+
+    ``engine``: "vllm" (the engine of record, many sequences in flight) or "reference".
+    Finished rounds are kept under DATA_DIR/training/rounds/, so the same command run again
+    after an interruption continues where it stopped, and a larger ``n`` extends them."""
     from worker.training import limit_threads
     from worker.training.data import (GenerationSettings, TrainingDataError, generate_conversations,
                                       read_prompts_file, write_dataset)
 
     if n < 1:
         raise ServiceError("--n must be at least 1")
+    if engine not in WRITERS:
+        raise ServiceError(f"--engine must be one of {', '.join(WRITERS)}")
     slug = slug or slugify(f"{target.slug}-{'prompts' if prompts_file else 'self'}-chat")
     if skip_existing:
         existing = TrainingDataset.objects.filter(slug=slug, target=target).order_by("-version").first()
@@ -139,16 +151,37 @@ def make_training_data(target: Target, n: int, *, slug: str | None = None, promp
             check_not_evaluation(prompts, forbidden, where=f"{prompts_file}: ")
         except TrainingDataError as e:
             raise ServiceError(str(e)) from None
-    limit_threads()
-    engine = ReferenceEngine(target.path)
     gen = GenerationSettings(n=n, seed=seed, max_question_tokens=max_question_tokens,
                              max_answer_tokens=max_answer_tokens,
-                             answer_temperature=answer_temperature, batch_size=batch_size)
+                             answer_temperature=answer_temperature,
+                             batch_size=batch_size or DEFAULT_WRITE_BATCH[engine], engine=engine)
+    # Finished rounds are kept per generation settings (n aside), so an interrupted command
+    # continues, and a larger --n extends a smaller one's conversations.
+    key = hashlib.sha256(json.dumps([{k: v for k, v in gen.to_dict().items() if k != "n"},
+                                     target.weights_sha256,
+                                     file_sha256(prompts_file) if prompts_file else None],
+                                    sort_keys=True).encode()).hexdigest()[:16]
+    checkpoint = settings.DATA_DIR / "training" / "rounds" / key
+    if say and (checkpoint / "state.json").is_file():
+        held = json.loads((checkpoint / "state.json").read_text()).get("records", 0)
+        say(f"{held} conversations of these settings are kept in {checkpoint}; continuing from there")
+    limit_threads()
+    if engine == "vllm":
+        from worker.training.vllm_writer import VllmWriter
+
+        writer = VllmWriter(target.path, hardware="cpu", seed=seed)
+    else:
+        from worker.engines.reference import ReferenceEngine
+
+        writer = ReferenceEngine(target.path)
     try:
-        records, stats = generate_conversations(engine, gen, prompts=prompts, forbidden=forbidden,
-                                                progress=progress)
+        records, stats = generate_conversations(writer, gen, prompts=prompts, forbidden=forbidden,
+                                                progress=progress, checkpoint=checkpoint)
     except TrainingDataError as e:
         raise ServiceError(str(e)) from None
+    finally:
+        if hasattr(writer, "shutdown"):
+            writer.shutdown()
     with tempfile.TemporaryDirectory(dir=_tmp_root()) as tmp:
         local = Path(tmp) / "conversations.jsonl"
         sha = write_dataset(records, local)
@@ -198,7 +231,10 @@ def train_and_register(recipe: str, target: Target, dataset: TrainingDataset, pr
                              evaluation_prompt_hashes(), where=f"training data {dataset}: ")
     except ValueError as e:
         raise ServiceError(str(e)) from None
-    options = medusa_heads_for(protocol, options) if recipe == "medusa" else options
+    from worker.training.recipes import RECIPES
+
+    if RECIPES[recipe].method == "medusa":
+        options = medusa_heads_for(protocol, options)
     out_dir = Path(out_dir or settings.DATA_DIR / "training-runs" / f"{dataset.slug}-v{dataset.version}"
                    / f"{recipe}-seed{seed}")
     if resume == "if_any":  # continue an interrupted run, start one otherwise

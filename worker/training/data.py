@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -106,72 +107,162 @@ class GenerationSettings:
     question_temperature: float = 1.0
     answer_temperature: float = 0.0
     batch_size: int = 16
+    engine: str = "reference"   # which engine wrote it: "vllm" or "reference"
 
     def to_dict(self):
         return dict(self.__dict__)
 
 
 def generate_conversations(engine, settings: GenerationSettings, prompts=None, forbidden=None,
-                           progress=None) -> tuple[list[dict], dict]:
-    """Conversations of the target (a ReferenceEngine): its own questions, or ``prompts``,
-    each answered by it. Returns (records, stats)."""
+                           progress=None, checkpoint=None) -> tuple[list[dict], dict]:
+    """Conversations of the target (any engine with ``encode_chat``, ``decode`` and a batch
+    ``generate``: the reference engine or ``vllm_writer.VllmWriter``): its own questions,
+    or ``prompts``, each answered by it. Returns (records, stats).
+
+    Work goes in rounds of ``batch_size`` conversations: questions are sampled until the
+    round is full, then answered together. With ``checkpoint`` (a folder) every finished
+    round is appended there, and a later call with the same settings continues after the
+    last one, so a long generation that is stopped loses at most one round. A larger ``n``
+    with the same settings continues there too, and a smaller one takes the first ``n``:
+    datasets of several sizes are then prefixes of one generation."""
     forbidden = forbidden or {}
     if engine.tokenizer is None:
         raise TrainingDataError(f"{engine.path} has no tokenizer: the target writes text")
-    stats = {"questions_sampled": 0, "duplicates": 0, "unfinished": 0, "evaluation_prompts": 0}
-    started = time.monotonic()
-    if prompts is None:
-        questions = _sample_questions(engine, settings, forbidden, stats, progress)
-        source = "generated"
-    else:
+    if prompts is not None:
         check_not_evaluation(prompts, forbidden)
-        questions, seen = [], set()
+    source = "generated" if prompts is None else "file"
+    state = _Progress.open(checkpoint, settings, source)
+    if prompts is not None:  # deduplicated in order; the rounds walk through them
+        unique, keys = [], set()
         for text in prompts:
             key = text_sha256(text)
-            if key in seen:
-                stats["duplicates"] += 1
+            if key in keys:
                 continue
-            seen.add(key)
-            questions.append(text)
-        questions = questions[:settings.n]
-        source = "file"
-    records = []
-    bs = settings.batch_size
-    for start in range(0, len(questions), bs):
-        batch = questions[start:start + bs]
-        ids = [engine.encode_chat(q) for q in batch]
+            keys.add(key)
+            unique.append(text)
+        state.stats["duplicates"] = len(prompts) - len(unique)
+        prompts = unique[:settings.n]
+    target_n = settings.n if prompts is None else len(prompts)
+    started = time.monotonic() - state.stats.get("seconds", 0.0)
+    while len(state.records) < target_n:
+        want = min(settings.batch_size, target_n - len(state.records))
+        if prompts is None:
+            questions = _sample_questions(engine, settings, want, forbidden, state, progress)
+        else:
+            questions = prompts[len(state.records):len(state.records) + want]
+        ids = [engine.encode_chat(q) for q in questions]
         results = engine.generate(ids, max_new_tokens=settings.max_answer_tokens,
                                   temperature=settings.answer_temperature,
-                                  seed=settings.seed * 1_000_003 + 500_000 + start)
-        for q, prompt_ids, r in zip(batch, ids, results):
-            records.append({"id": len(records), "source": source, "user": q,
-                            "assistant": engine.decode(r.output_ids),
-                            "input_ids": prompt_ids + r.output_ids, "prompt_len": len(prompt_ids),
-                            "finish_reason": r.finish_reason})
+                                  seed=settings.seed * 1_000_003 + 500_000 + len(state.records))
+        rows = [{"id": len(state.records) + i, "source": source, "user": q,
+                 "assistant": engine.decode(r.output_ids),
+                 "input_ids": prompt_ids + list(r.output_ids), "prompt_len": len(prompt_ids),
+                 "finish_reason": r.finish_reason}
+                for i, (q, prompt_ids, r) in enumerate(zip(questions, ids, results))]
+        state.stats["seconds"] = round(time.monotonic() - started, 1)
+        state.add_round(rows)
         if progress:
-            progress(("answers", len(records), len(questions)))
-    stats["seconds"] = round(time.monotonic() - started, 1)
-    stats["tokens"] = sum(len(r["input_ids"]) for r in records)
-    stats["answer_tokens"] = sum(len(r["input_ids"]) - r["prompt_len"] for r in records)
-    return records, stats
+            progress(("answers", len(state.records), target_n))
+    stats = dict(state.stats, seconds=round(time.monotonic() - started, 1))
+    stats["tokens"] = sum(len(r["input_ids"]) for r in state.records)
+    stats["answer_tokens"] = sum(len(r["input_ids"]) - r["prompt_len"] for r in state.records)
+    stats["answer_tokens_per_s"] = round(stats["answer_tokens"] / max(stats["seconds"], 1e-9), 1)
+    return state.records, stats
 
 
-def _sample_questions(engine, settings, forbidden, stats, progress) -> list[str]:
-    prefix = user_prefix_ids(engine.tokenizer)
-    questions, seen = [], set()
-    batch, attempt = settings.batch_size, 0
-    max_attempts = 20 * settings.n + 4 * batch  # a target that cannot write questions stops here
-    while len(questions) < settings.n:
-        if attempt >= max_attempts:
+class _Progress:
+    """The records and counters of a generation, kept in a checkpoint folder when given:
+    ``rounds.jsonl`` (the records, appended a round at a time) and ``state.json``
+    (settings, the next question attempt, counters), written after the records."""
+
+    def __init__(self, folder, settings, source):
+        self.folder = Path(folder) if folder else None
+        # n is left out: a larger n continues a smaller one's rounds, so datasets of
+        # several sizes from one folder are prefixes of each other (a learning curve).
+        self.settings = {k: v for k, v in settings.to_dict().items() if k != "n"}
+        self.n = settings.n
+        self.source = source
+        self.records: list[dict] = []
+        self.seen: set[str] = set()
+        self.attempt = 0
+        self.stats = {"questions_sampled": 0, "duplicates": 0, "unfinished": 0,
+                      "evaluation_prompts": 0, "resumed_at": None}
+
+    @classmethod
+    def open(cls, folder, settings, source):
+        state = cls(folder, settings, source)
+        if state.folder is None:
+            return state
+        state.folder.mkdir(parents=True, exist_ok=True)
+        meta = state.folder / "state.json"
+        if not meta.is_file():
+            (state.folder / "rounds.jsonl").unlink(missing_ok=True)
+            return state
+        saved = json.loads(meta.read_text())
+        if saved.get("settings") != state.settings or saved.get("source") != source:
             raise TrainingDataError(
-                f"the target wrote only {len(questions)} distinct finished questions in "
-                f"{attempt} attempts (duplicates {stats['duplicates']}, unfinished "
-                f"{stats['unfinished']}); ask for fewer (--n) or pass --prompts FILE")
+                f"{state.folder} holds a generation with other settings ({saved.get('settings')}); "
+                "remove it or use the same settings")
+        rows = []
+        with open(state.folder / "rounds.jsonl", encoding="utf-8") as f:
+            for line in f:
+                rows.append(json.loads(line))
+        if len(rows) > saved["records"]:
+            # A round written after the last state (stopped in between) is done again.
+            rows = rows[:saved["records"]]
+            tmp = state.folder / "rounds.jsonl.part"
+            with open(tmp, "w", encoding="utf-8") as f:
+                for r in rows:
+                    f.write(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n")
+            tmp.replace(state.folder / "rounds.jsonl")
+        state.stats.update(saved["stats"], resumed_at=len(rows))
+        state.attempt = saved["attempt"]
+        if len(rows) > state.n:
+            # A smaller dataset from a larger generation: its first n conversations. The
+            # counters describe the whole generation, so they are not kept.
+            rows = rows[:state.n]
+            share = state.n / saved["records"]
+            state.stats = {"prefix_of": saved["records"], "resumed_at": len(rows),
+                           "seconds": round(saved["stats"].get("seconds", 0.0) * share, 1),
+                           "seconds_prorated": True}
+            state.folder = None   # read only: nothing of this call is appended
+        state.records = rows
+        state.seen = {text_sha256(r["user"]) for r in rows}
+        return state
+
+    def add_round(self, rows):
+        self.records.extend(rows)
+        if self.folder is None:
+            return
+        with open(self.folder / "rounds.jsonl", "a", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        tmp = self.folder / "state.json.part"
+        tmp.write_text(json.dumps({"settings": self.settings, "source": self.source,
+                                   "records": len(self.records), "attempt": self.attempt,
+                                   "stats": self.stats}))
+        tmp.replace(self.folder / "state.json")
+
+
+def _sample_questions(engine, settings, want, forbidden, state, progress) -> list[str]:
+    """``want`` new distinct finished questions, continuing the seeded attempts."""
+    prefix = user_prefix_ids(engine.tokenizer)
+    stats, questions = state.stats, []
+    batch = settings.batch_size
+    max_attempts = 20 * settings.n + 4 * batch  # a target that cannot write questions stops here
+    while len(questions) < want:
+        if state.attempt >= max_attempts:
+            raise TrainingDataError(
+                f"the target wrote only {len(state.records) + len(questions)} distinct finished "
+                f"questions in {state.attempt} attempts (duplicates {stats['duplicates']}, "
+                f"unfinished {stats['unfinished']}); ask for fewer (--n) or pass --prompts FILE")
         # Sequence i samples from seed + i, so attempt numbers give reproducible questions.
         results = engine.generate([prefix] * batch, max_new_tokens=settings.max_question_tokens,
                                   temperature=settings.question_temperature,
-                                  seed=settings.seed * 1_000_003 + attempt)
-        attempt += batch
+                                  seed=settings.seed * 1_000_003 + state.attempt)
+        state.attempt += batch
         for r in results:
             stats["questions_sampled"] += 1
             text = r.text.strip()
@@ -182,15 +273,15 @@ def _sample_questions(engine, settings, forbidden, stats, progress) -> list[str]
             if key in forbidden:  # never train on an evaluation prompt, even one it wrote
                 stats["evaluation_prompts"] += 1
                 continue
-            if key in seen:
+            if key in state.seen:
                 stats["duplicates"] += 1
                 continue
-            seen.add(key)
+            state.seen.add(key)
             questions.append(text)
-            if len(questions) == settings.n:
+            if len(questions) == want:
                 break
         if progress:
-            progress(("questions", len(questions), settings.n))
+            progress(("questions", len(state.records) + len(questions), settings.n))
     return questions
 
 
@@ -244,6 +335,11 @@ class TrainingData:
     @property
     def tokens(self):
         return self.offsets[-1]
+
+    def answer_token_counts(self, vocab_size: int) -> torch.Tensor:
+        """How often each token id occurs in the answers (what drafters propose)."""
+        answers = torch.cat([ids[p:] for ids, p in zip(self.ids, self.prompt_lens)])
+        return torch.bincount(answers, minlength=vocab_size)
 
     def vocabulary(self) -> torch.Tensor:
         """The token ids that occur in the data, sorted."""

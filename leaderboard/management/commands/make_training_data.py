@@ -22,7 +22,12 @@ class Command(BaseCommand):
         parser.add_argument("--max-answer-tokens", type=int, default=192)
         parser.add_argument("--answer-temperature", type=float, default=0.0,
                             help="0 (default): the target's greedy answers")
-        parser.add_argument("--batch-size", type=int, default=16, help="sequences generated together")
+        parser.add_argument("--engine", choices=["vllm", "reference"], default="vllm",
+                            help="vllm (default: the engine of record, many sequences in flight) "
+                                 "or the reference engine")
+        parser.add_argument("--batch-size", type=int, default=None,
+                            help="conversations per round, generated together and kept when "
+                                 "done (default 256 with vllm, 16 with reference)")
         parser.add_argument("--skip-existing", action="store_true",
                             help="keep the slug's newest version if there is one (generate nothing)")
 
@@ -35,7 +40,8 @@ class Command(BaseCommand):
             what, done, total = event
             bar = bars.get(what)
             if bar is None:
-                bar = bars[what] = tqdm(total=total, desc=what, unit="conv", file=sys.stderr)
+                bar = bars[what] = tqdm(total=total, initial=done, desc=what, unit="conv",
+                                        file=sys.stderr, smoothing=0.1)
             bar.update(done - bar.n)
 
         try:
@@ -45,9 +51,10 @@ class Command(BaseCommand):
                 max_question_tokens=o["max_question_tokens"],
                 max_answer_tokens=o["max_answer_tokens"],
                 answer_temperature=o["answer_temperature"], batch_size=o["batch_size"],
-                skip_existing=o["skip_existing"], progress=progress)
+                engine=o["engine"], skip_existing=o["skip_existing"], progress=progress,
+                say=lambda m: self.stderr.write(m))
         except (ServiceError, TrainingDataError) as e:
-            raise CommandError(f"{e}\nNothing was written.") from None
+            raise CommandError(f"{e}\nNo dataset was recorded.") from None
         finally:
             for bar in bars.values():
                 bar.close()
