@@ -703,6 +703,26 @@ def test_eagle3_draft_vocabulary_needs_d2t(tmp_path, work):
          field="eagle_aux_hidden_state_layer_ids")
 
 
+def test_medusa_reduced_vocabulary_needs_its_token_map(tmp_path, work):
+    cfg = {"hidden_size": 16, "vocab_size": 64, "num_heads": 2, "original_lm_head": True,
+           "truncated_vocab_size": 8}
+    heads = {"blocks.0.layers.0.weight": torch.zeros(16, 16), "lm_head.weight": torch.zeros(8, 16)}
+    files = {"config.json": cfg, "model.safetensors": ("st", heads)}
+    p = find(reject(write_files(tmp_path / "a", files), "medusa", work=work), field="token_map")
+    assert "truncated_vocab_size 8" in p.message and "shape [truncated_vocab_size]" in p.message
+    files["model.safetensors"] = ("st", dict(heads, token_map=torch.arange(7)))
+    find(reject(write_files(tmp_path / "b", files), "medusa", work=work), field="token_map",
+         text="shape [8]")
+    files["model.safetensors"] = ("st", dict(heads, token_map=torch.arange(8.0)))
+    find(reject(write_files(tmp_path / "c", files), "medusa", work=work), field="token_map",
+         text="integer")
+    files["model.safetensors"] = ("st", dict(heads, token_map=torch.arange(8) * 3))
+    accept(write_files(tmp_path / "d", files), "medusa", work=work).cleanup()
+    files["config.json"] = dict(cfg, truncated_vocab_size=65)
+    find(reject(write_files(tmp_path / "e", files), "medusa", work=work),
+         field="truncated_vocab_size", text="1..64")
+
+
 def test_medusa_heads(tmp_path, work):
     cfg = {"hidden_size": 16, "vocab_size": 64, "medusa_num_heads": 3, "medusa_num_layers": 1}
     weights = ("st", {"0.0.linear.weight": torch.zeros(16, 16), "0.1.weight": torch.zeros(64, 16)})

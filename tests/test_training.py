@@ -30,7 +30,7 @@ PROMPTS = [
 ]
 ANSWER_TOKENS = 40
 METHOD = {"draft_model": "draft_model", "eagle": "eagle", "eagle_multistep": "eagle",
-          "medusa": "medusa"}
+          "medusa": "medusa", "medusa_reduced_vocab": "medusa"}
 
 
 # One torch thread for every test of this module (conftest.one_torch_thread).
@@ -85,6 +85,57 @@ def test_the_target_writes_seeded_distinct_questions_and_answers_them(engine):
     assert [r["user"] for r in again] == [r["user"] for r in records]  # seeded
 
 
+def test_generation_resumes_after_its_last_round_and_larger_n_extends_it(engine, tmp_path):
+    settings = GenerationSettings(n=2, max_answer_tokens=6, batch_size=1)
+    alone, _ = generate_conversations(engine, GenerationSettings(n=3, max_answer_tokens=6,
+                                                                 batch_size=1), prompts=PROMPTS)
+    folder = tmp_path / "rounds"
+    first, stats = generate_conversations(engine, settings, prompts=PROMPTS, checkpoint=folder)
+    assert len(first) == 2 and stats["resumed_at"] is None
+    # A round written after the last state (a crash between the two) is done again.
+    with open(folder / "rounds.jsonl", "a") as f:
+        f.write(json.dumps({**first[0], "id": 2, "assistant": "half-written"}) + "\n")
+    more, stats = generate_conversations(engine, GenerationSettings(n=3, max_answer_tokens=6,
+                                                                    batch_size=1),
+                                         prompts=PROMPTS, checkpoint=folder)
+    assert stats["resumed_at"] == 2 and more[:2] == first
+    assert [r["input_ids"] for r in more] == [r["input_ids"] for r in alone]
+    assert "half-written" not in (folder / "rounds.jsonl").read_text().split("\n", 3)[2]
+    # A smaller n is the first conversations of the same generation; nothing is generated.
+    fewer, stats = generate_conversations(
+        engine, GenerationSettings(n=1, max_answer_tokens=6, batch_size=1), prompts=PROMPTS,
+        checkpoint=folder)
+    assert fewer == first[:1] and stats["prefix_of"] == 3
+    with pytest.raises(TrainingDataError, match="other settings"):
+        generate_conversations(engine, GenerationSettings(n=2, max_answer_tokens=7, batch_size=1),
+                               prompts=PROMPTS, checkpoint=folder)
+
+
+def test_reduced_vocabulary_heads_draft_only_the_most_frequent_answer_tokens(train, engine,
+                                                                           dataset, tmp_path):
+    from worker.heads import MedusaHeads
+    from worker.training.data import read_dataset
+
+    summary = train("medusa_reduced_vocab", tmp_path / "m", 30, lr=2e-3,
+                    options={"draft_vocab": 40})
+    heads = MedusaHeads.from_pretrained(summary["drafter_dir"])
+    config = json.loads((Path(summary["drafter_dir"]) / "config.json").read_text())
+    assert config["truncated_vocab_size"] == 40 and config["vocab_size"] == 49152
+    assert heads.lm_head.weight.shape[0] == 40 and len(heads.token_map) == 40
+    # The 40 ids are the answers' most frequent tokens; their share is reported.
+    answers = [t for r in read_dataset(dataset[0]) for t in r["input_ids"][r["prompt_len"]:]]
+    counts = torch.bincount(torch.tensor(answers), minlength=49152)
+    assert counts[heads.token_map].min() >= counts.sort(descending=True).values[39]
+    covered = float(counts[heads.token_map].sum()) / len(answers)
+    assert summary["options"]["answer_token_coverage"] == pytest.approx(covered, abs=1e-4)
+    assert 0 < covered < 1
+    ids = [engine.encode_chat(PROMPTS[1])]
+    out = engine.generate(ids, proposer=make_proposer("medusa", summary["drafter_dir"]), k=3,
+                          max_new_tokens=16)
+    drafted = [t for s in out[0].steps for t in s.drafted]
+    assert drafted and set(drafted) <= set(heads.token_map.tolist())
+
+
 def test_evaluation_prompts_are_refused_by_hash():
     forbidden = {text_sha256("What is 2+2?"): "mt-bench#81 (turn 1)"}
     check_not_evaluation(["What is 3+3?"], forbidden)
@@ -93,7 +144,8 @@ def test_evaluation_prompts_are_refused_by_hash():
 
 
 @pytest.mark.parametrize("recipe,steps", [("draft_model", 8), ("eagle", 50),
-                                          ("eagle_multistep", 12), ("medusa", 50)])
+                                          ("eagle_multistep", 12), ("medusa", 50),
+                                          ("medusa_reduced_vocab", 50)])
 def test_recipe_loss_falls_and_checkpoint_loads_losslessly(recipe, steps, demo_target_dir, train,
                                                            engine, check_prompts, tmp_path):
     summary = train(recipe, tmp_path / recipe, steps, lr=2e-3 if recipe != "draft_model" else None)
@@ -113,7 +165,7 @@ def test_recipe_loss_falls_and_checkpoint_loads_losslessly(recipe, steps, demo_t
     assert [r.output_ids for r in results] == plain
     drafted = [s for s in results[0].steps if s.drafted]
     assert drafted  # it proposed
-    if recipe in ("eagle", "medusa"):
+    if recipe in ("eagle", "medusa", "medusa_reduced_vocab"):
         # Overfitted on this conversation, the head proposes its continuation: acceptance
         # well above 1 means it reads the hidden states of the right positions.
         al = 1 + sum(s.accepted for s in drafted) / len(drafted)
@@ -193,7 +245,7 @@ def test_trained_drafter_is_registered_with_its_recipe_and_queued(site, tmp_path
     target, protocol = site
     file = write_prompts(tmp_path / "p.jsonl", PROMPTS[1:3])
     call_command("make_training_data", "--target", "smollm2", "--n", "2", "--prompts", str(file),
-                 "--max-answer-tokens", "24", "--slug", "tiny-chat")
+                 "--max-answer-tokens", "24", "--slug", "tiny-chat", "--engine", "reference")
     data = TrainingDataset.objects.get(slug="tiny-chat")
     assert (data.version, data.n, data.target) == (1, 2, target)
     local = Path(settings_media(data.path))

@@ -166,16 +166,23 @@ class ResidualBlock(nn.Module):
 
 class MedusaHeads(nn.Module):
     """Medusa heads sharing one lm_head (``original_lm_head``): head i proposes the token
-    i + 2 places after the position whose hidden state it reads."""
+    i + 2 places after the position whose hidden state it reads.
+
+    With a ``token_map`` (vLLM's truncated vocabulary) the lm_head holds only those rows of
+    the target's: the heads draft over a few thousand frequent tokens instead of the whole
+    vocabulary, and ``token_map[j]`` is the target id of draft id j."""
 
     method = "medusa"
 
-    def __init__(self, hidden: int, vocab: int, num_heads: int, num_layers: int = 1):
+    def __init__(self, hidden: int, vocab: int, num_heads: int, num_layers: int = 1,
+                 token_map: torch.Tensor | None = None):
         super().__init__()
         self.hidden, self.vocab = hidden, vocab
         self.num_heads, self.num_layers = num_heads, num_layers
         self.blocks = nn.ModuleList(ResidualBlock(hidden, num_layers) for _ in range(num_heads))
-        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        rows = vocab if token_map is None else len(token_map)
+        self.lm_head = nn.Linear(hidden, rows, bias=False)
+        self.token_map = None if token_map is None else token_map.long()
 
     @classmethod
     def from_pretrained(cls, path, dtype=torch.float32, device="cpu") -> "MedusaHeads":
@@ -191,26 +198,46 @@ class MedusaHeads(nn.Module):
                 raise ValueError(f"{path}: heads with one lm_head each are not supported by the "
                                  "reference engine; save with original_lm_head (one shared lm_head)")
             weights["lm_head.weight"] = weights.pop("lm_heads.0.weight")
-        heads = cls(hf["hidden_size"], weights["lm_head.weight"].shape[0], num_heads, num_layers)
+        token_map = weights.pop("token_map", None)
+        vocab = hf.get("vocab_size") or weights["lm_head.weight"].shape[0]
+        if token_map is not None:
+            token_map = token_map.long()
+            if weights["lm_head.weight"].shape[0] > len(token_map):  # vLLM slices it too
+                weights["lm_head.weight"] = weights["lm_head.weight"][token_map]
+        heads = cls(hf["hidden_size"], vocab, num_heads, num_layers, token_map=token_map)
         heads.load_state_dict({k.removeprefix("medusa_heads."): v for k, v in weights.items()}, strict=True)
         return heads.to(dtype=dtype, device=device).eval()
 
     def forward(self, hidden):
-        """Logits [..., heads, vocab] for hidden states [..., hidden]."""
+        """Logits [..., heads, draft vocabulary] for hidden states [..., hidden]."""
         return torch.stack([self.lm_head(block(hidden)) for block in self.blocks], dim=-2)
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.token_map is None else self.token_map[draft_ids]
+
+    def target_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        """Probabilities over the draft vocabulary spread onto the target's (zero elsewhere)."""
+        if self.token_map is None:
+            return probs
+        full = probs.new_zeros(*probs.shape[:-1], self.vocab)
+        full[..., self.token_map] = probs
+        return full
 
     def save(self, out_dir: Path, dtype=torch.float32):
         from safetensors.torch import save_file
 
         out_dir.mkdir(parents=True, exist_ok=True)
+        rows = self.lm_head.weight.shape[0]
         config = {"architectures": ["MedusaModel"], "model_type": "medusa",
                   "hidden_size": self.hidden, "vocab_size": self.vocab,
                   "num_heads": self.num_heads, "num_hidden_layers": self.num_layers,
-                  "original_lm_head": True, "truncated_vocab_size": self.vocab,
+                  "original_lm_head": True, "truncated_vocab_size": rows,
                   "torch_dtype": str(dtype).removeprefix("torch.")}
         (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_file({k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()},
-                  str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        tensors = {k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()}
+        if self.token_map is not None:
+            tensors["token_map"] = self.token_map.to(torch.int64).contiguous()
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
 def load_safetensors(path: Path, dtype, device) -> dict:

@@ -276,14 +276,16 @@ class MedusaProposer:
             return drafts
         dtype = self.heads.lm_head.weight.dtype
         logits = self.heads(torch.stack([self.last[rows[i]] for i in todo]).to(dtype)).float()
+        heads = self.heads
         for j, i in enumerate(todo):
-            n = min(num_tokens[i], self.heads.num_heads)
+            n = min(num_tokens[i], heads.num_heads)
             if self.temperature == 0:
-                drafts[i] = Draft(logits[j, :n].argmax(-1).tolist())
+                drafts[i] = Draft(heads.target_ids(logits[j, :n].argmax(-1)).tolist())
             else:
                 q = torch.softmax(logits[j, :n] / self.temperature, dim=-1)
-                tokens = [int(torch.multinomial(q[h], 1, generator=generators[i])) for h in range(n)]
-                drafts[i] = Draft(tokens, q)
+                picked = torch.cat([torch.multinomial(q[h], 1, generator=generators[i])
+                                    for h in range(n)])
+                drafts[i] = Draft(heads.target_ids(picked).tolist(), heads.target_probs(q))
         return drafts
 
 

@@ -5,7 +5,7 @@ sizes, vocabulary, then the method's own rules, then the hidden size the head re
 num_layers."""
 from __future__ import annotations
 
-from worker.safetensors_header import is_int
+from worker.safetensors_header import INTEGER_DTYPES, is_int
 
 MAX_LAYERS = 200
 
@@ -73,6 +73,31 @@ def check_vocab(cfg: dict, target, add, optional: bool = False, hint: str = "") 
     elif vocab != target.vocab_size:
         add("vocab_size", f"{vocab} differs from the target's vocabulary size "
             f"({target.vocab_size}): the drafter must use the target's tokenizer{hint}")
+
+
+def check_draft_vocab(cfg: dict, key: str, tensor: str, target, tensors: dict, add) -> None:
+    """A drafter over a smaller vocabulary: ``cfg[key]`` (its size) is in 1..the target's,
+    and below the target's it needs an integer ``tensor`` of shape [size] that maps its ids
+    to the target's (EAGLE-3's ``d2t``, Medusa's ``token_map``)."""
+    size = cfg.get(key)
+    if size is None:
+        return
+    if not is_int(size) or size < 1 or size > target.vocab_size:
+        add(key, f"must be an integer in 1..{target.vocab_size} (the target's vocabulary), "
+            f"got {size!r}")
+        return
+    if size == target.vocab_size:
+        return
+    found = [k for k in tensors if k == tensor or k.endswith("." + tensor)]
+    if not found:
+        add(tensor, f"{key} {size} differs from the target's vocabulary ({target.vocab_size}) "
+            f"but no {tensor} tensor maps draft ids to target ids: include the {tensor} "
+            f"tensor of shape [{key}]")
+    for k in found:
+        dtype, shape = tensors[k]
+        if shape != [size] or dtype not in INTEGER_DTYPES:
+            add(k, f"{tensor} must be an integer tensor of shape [{size}] ({key}), "
+                f"got {dtype} {shape}")
 
 
 def check_decoder_head(cfg: dict, target, add, method: str, allowed, allowed_text: str) -> None:

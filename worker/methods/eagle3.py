@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from worker.methods.base import Method, weighted_config
 from worker.methods.config_rules import (check_architectures, check_decoder_sizes,
-                                         check_reads_target_hidden, check_vocab)
-from worker.safetensors_header import INTEGER_DTYPES, is_int
+                                         check_draft_vocab, check_reads_target_hidden,
+                                         check_vocab)
+from worker.safetensors_header import is_int
 
 # vLLM 0.32, model_executor/models/registry.py, _SPECULATIVE_DECODING_MODELS.
 VLLM_ARCHITECTURES = frozenset({
@@ -43,22 +44,7 @@ def check_config(cfg: dict, target, tensors: dict, add) -> None:
     check_vocab(cfg, target, add, hint="; an EAGLE-3 head with a smaller draft vocabulary "
                 "sets vocab_size to the target's and draft_vocab_size to its own, with a d2t "
                 "tensor")
-    dv = cfg.get("draft_vocab_size")
-    if dv is not None:
-        if not is_int(dv) or dv < 1 or dv > target.vocab_size:
-            add("draft_vocab_size", f"must be an integer in 1..{target.vocab_size} "
-                f"(the target's vocabulary), got {dv!r}")
-        elif dv != target.vocab_size:
-            d2t = [k for k in tensors if k == "d2t" or k.endswith(".d2t")]
-            if not d2t:
-                add("d2t", f"draft_vocab_size {dv} differs from the target's vocabulary "
-                    f"({target.vocab_size}) but no d2t tensor maps draft ids to target ids: "
-                    "include the d2t tensor of shape [draft_vocab_size]")
-            for k in d2t:
-                dtype, shape = tensors[k]
-                if shape != [dv] or dtype not in INTEGER_DTYPES:
-                    add(k, f"d2t must be an integer tensor of shape [{dv}] "
-                        f"(draft_vocab_size), got {dtype} {shape}")
+    check_draft_vocab(cfg, "draft_vocab_size", "d2t", target, tensors, add)
     aux = cfg.get("eagle_aux_hidden_state_layer_ids")
     if aux is None and isinstance(cfg.get("eagle_config"), dict):
         aux = cfg["eagle_config"].get("eagle_aux_hidden_state_layer_ids")

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 from worker.methods.base import Method, weighted_config
-from worker.methods.config_rules import (MAX_LAYERS, check_architectures, check_reads_target_hidden,
-                                         check_vocab, positive_int)
+from worker.methods.config_rules import (MAX_LAYERS, check_architectures, check_draft_vocab,
+                                         check_reads_target_hidden, check_vocab, positive_int)
 
 # vLLM 0.32, model_executor/models/registry.py, _SPECULATIVE_DECODING_MODELS.
 VLLM_ARCHITECTURES = frozenset({"MedusaModel"})
@@ -37,7 +37,8 @@ def _heads(folder: Path):
 def check_config(cfg: dict, target, tensors: dict, add) -> None:
     """``architectures`` and ``vocab_size`` may be absent (vLLM defaults the first to
     MedusaModel and aligns the second with the target's); the head and layer counts are
-    sane."""
+    sane; a ``truncated_vocab_size`` below the target's vocabulary comes with its
+    ``token_map``."""
     check_architectures(cfg, "medusa", VLLM_ARCHITECTURES.__contains__,
                         ", ".join(sorted(VLLM_ARCHITECTURES)), add, optional=True)
     hidden = positive_int(cfg, "hidden_size", add, upper=1 << 16)
@@ -45,6 +46,8 @@ def check_config(cfg: dict, target, tensors: dict, add) -> None:
         if "num" in key and ("heads" in key or "layers" in key):
             positive_int(cfg, key, add, upper=64 if "heads" in key else MAX_LAYERS)
     check_vocab(cfg, target, add, optional=True)
+    # A reduced drafting vocabulary (vLLM's truncated_vocab_size with a token_map).
+    check_draft_vocab(cfg, "truncated_vocab_size", "token_map", target, tensors, add)
     if hidden:
         check_reads_target_hidden("medusa", "hidden_size", hidden, target, add)
 

@@ -46,7 +46,7 @@ def train_recipe(recipe_name, target_dir, dataset_file, target_sha256, out_dir, 
     recipe = build_recipe(recipe_name, target, target_hf, **options)
     say(f"[{recipe_name}] target hidden states for the training data ...")
     data = load_training_data(dataset_file, target, target_sha256)
-    recipe.set_vocabulary(data.vocabulary())
+    recipe.set_vocabulary(data.vocabulary(), data)
     settings = TrainSettings(
         steps=steps or DEMO_STEPS[recipe_name], seed=seed,
         batch_size=batch_size or cls.defaults.get("batch_size", 4),
