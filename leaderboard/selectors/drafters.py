@@ -45,7 +45,8 @@ def drafter_overview(slug: str, protocol_ref: str | None = None) -> dict | None:
     (default: the newest protocol where it has a succeeded run; the newest succeeded run
     there, else the newest run). None if there is no such drafter. Three queries.
 
-    Returns {"drafter", "files", "runs", "protocols", "protocol", "protocol_json", "run"};
+    Returns {"drafter", "files", "runs", "protocols", "protocol", "protocol_json", "run",
+    "remeasuring" (a newer running run of the shown succeeded one, or None)};
     "_run" and "_protocol" hold the model instances for `drafter_results`."""
     d = Drafter.objects.select_related("owner", "target").filter(slug=slug).first()
     if d is None:
