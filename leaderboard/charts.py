@@ -254,7 +254,8 @@ def compare_charts(data: dict, temperature: float, k: int | None,
                 and c["task"] in tasks]
         kk = k if k is not None else best_k(cells_t, base, ks)
         cells = [c for c in cells_t if c["k"] == kk]
-        name = f"{e['drafter']['name']} (k={kk})"
+        name = f"{e['drafter']['name']} (k={kk})" + (", measuring" if e["run"].get("measuring")
+                                                      else "")
         sp = speedup_by_batch(cells, base)
         by_b = _pooled_by(cells, base, "batch_size")
         sp_traces.append(_line(name, list(sp), list(sp.values()), i,

@@ -16,7 +16,7 @@ from worker import analysis, metrics
 from . import records
 from .models import Protocol, Result, Run
 from .selectors import speedups
-from .selectors.board import latest_succeeded_runs
+from .selectors.board import latest_succeeded_runs, shown_runs
 from .selectors.shapes import aggregate_cells, protocol_summary
 
 
@@ -115,23 +115,27 @@ def _pooled(rows: list[dict]) -> dict:
             "shares": shares}
 
 
-def protocol_pays(protocol: Protocol, temperature: float | None = None) -> dict:
+def protocol_pays(protocol: Protocol, temperature: float | None = None,
+                  include_running: bool = False) -> dict:
     """The "When does it pay?" page and GET /api/protocols/{slug}/{version}/analysis: for
     one temperature (default the protocol's first), over each drafter's newest succeeded
-    run and the baseline of its engine version: the best (drafter, k) per task and batch
-    size, each (drafter, k)'s speedups by batch size (measured, predicted, oracle) and
-    crossover, time shares, the oracle combination across drafters and the acceptance/cost
-    points with their Pareto frontier. Two queries; the records from storage; cached under
-    the runs' ids (then one query)."""
+    run (with include_running, for a drafter without one, its run still measuring: the
+    cells it has, marked "measuring") and the baseline of its engine version: the best
+    (drafter, k) per task and batch size, each (drafter, k)'s speedups by batch size
+    (measured, predicted, oracle) and crossover, time shares, the oracle combination across
+    drafters and the acceptance/cost points with their Pareto frontier. Two queries; the
+    records from storage; cached under the runs' ids and, for a run still measuring, its
+    cells done and attempts (then one query)."""
     spec = protocol.spec
     temps = [float(t) for t in spec["temperatures"]]
     temperature = temps[0] if temperature is None or float(temperature) not in temps \
         else float(temperature)
     tasks = [t["task"] for t in spec["tasks"]]
     batch_sizes, ks = list(spec["batch_sizes"]), list(spec["ks"])
-    drafter_runs, baselines = latest_succeeded_runs(protocol)
+    drafter_runs, baselines = shown_runs(protocol, include_running=include_running)
     key = (protocol.pk, protocol.sha256, temperature,
-           sorted((r["id"], str(r["queued_at"])) for r in drafter_runs),
+           sorted((r["id"], str(r["queued_at"]), r["state"], r["cells_done"], r["attempts"])
+                  for r in drafter_runs),
            sorted((r["id"], str(r["queued_at"])) for r in baselines.values()))
     ids = [r["id"] for r in drafter_runs] + [r["id"] for r in baselines.values()]
 
@@ -160,7 +164,8 @@ def _protocol_pays(protocol, temperature, tasks, batch_sizes, ks, drafter_runs, 
         base_run = {"id": base_ids[-1]} if base_ids else None
         cells = [c for c in by_run.get(r["id"], []) if c["k"] > 0]
         base_cells = sorted(mine.values(), key=speedups.cell_key)
-        has_records = bool(r["artifact"])
+        # a run still measuring has no artifact yet, but each measured cell's records
+        has_records = bool(r["artifact"]) or r["measuring"]
         if has_records:
             cells_r = records.RunRecords(r["id"]).with_records(cells)
             has_records = any(c["records"] for c in cells_r)
@@ -179,11 +184,14 @@ def _protocol_pays(protocol, temperature, tasks, batch_sizes, ks, drafter_runs, 
         else:
             rows = [None] * len(cells)
         drafters.append({"drafter": d, "run_id": r["id"], "has_records": has_records,
+                         "measuring": r["measuring"], "run_url": r["url"],
+                         "cells_done": r["cells_done"], "cells_total": r["cells_total"],
                          "baseline_run_id": base_run["id"] if base_run else None})
         by_k = defaultdict(list)
         for c, a in zip(cells, rows):
             entries.append({"drafter": d["slug"], "k": c["k"], "task": c["task"],
-                            "batch_size": c["batch_size"], "speedup": c["speedup"]})
+                            "batch_size": c["batch_size"], "speedup": c["speedup"],
+                            "measuring": r["measuring"]})
             by_k[c["k"]].append((c, a))
         for k, pairs in sorted(by_k.items()):
             kcells = [c for c, _ in pairs]
@@ -201,12 +209,13 @@ def _protocol_pays(protocol, temperature, tasks, batch_sizes, ks, drafter_runs, 
                                  else a["t_overhead"]) * a["steps"] for a in analysed)
                 fwd_time = sum(a["t_fwd_b"] * a["steps"] for a in analysed)
                 cost = cost_time / fwd_time if fwd_time else None
-            curves.append({"drafter": d, "k": k, "by_batch": per_b,
+            curves.append({"drafter": d, "k": k, "by_batch": per_b, "measuring": r["measuring"],
                            "crossover": analysis.crossover(measured),
                            "mean_speedup": _mean(measured.values())})
             points.append({"drafter": d, "k": k, "cost": cost, "al": al})
     matrix = analysis.best_matrix(entries, tasks, batch_sizes)
     names = {x["drafter"]["slug"]: x["drafter"] for x in drafters}
+    measuring = {x["drafter"]["slug"] for x in drafters if x["measuring"]}
     matrix_rows = []
     for t in tasks:
         row = {"task": t, "cells": []}
@@ -214,6 +223,7 @@ def _protocol_pays(protocol, temperature, tasks, batch_sizes, ks, drafter_runs, 
             m = matrix.get((t, b))
             row["cells"].append(None if m is None else {
                 "batch_size": b, "drafter": names.get(m["drafter"]), "k": m["k"],
+                "measuring": m["drafter"] in measuring,
                 "speedup": m["speedup"],
                 "best_drafter_speedup": m.get("best_drafter_speedup", m["speedup"])})
         matrix_rows.append(row)

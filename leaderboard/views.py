@@ -126,8 +126,10 @@ def home(request):
     if task not in [t["task"] for t in spec["tasks"]]:
         task = None
     b_param = request.GET.get("batch_size")
+    # default: the smallest batch size with rows (a newcomer's first comparison is measured
+    # at the largest batch size: worker.measure.first_comparison)
     batch_size = None if b_param == "all" else (
-        _int(b_param, spec["batch_sizes"]) or min(spec["batch_sizes"]))
+        _int(b_param, spec["batch_sizes"]) or board.SMALLEST_MEASURED)
     t_param = request.GET.get("temperature")
     temps = [float(t) for t in spec["temperatures"]]
     temperature = None if t_param == "all" else _float(t_param, temps)
@@ -163,13 +165,18 @@ def home(request):
                  "next": _query(request, page=n + 1) if n < pages else None}
         html = render_to_string("leaderboard/_board.html", {
             "board": table, "headers": headers, "pager": pager, "p": table["protocol"]})
-        return {"html": html, "board": table}
+        return {"html": html, "board": table, "meta_rows": total,
+                "meta_batch_size": table["filters"]["batch_size"]}
 
     fragment = cached_fragment(
         lambda: ("board", board.leaderboard_signature(protocol), sorted(filters.items()),
                  page, _board_params(request)), build)
     ref = shapes.protocol_ref(protocol)
+    batch_size = fragment["meta_batch_size"]
+    # An empty board says what is measuring, and what comes next (not cached: ETAs move).
+    measuring = run_reads.active_runs(protocol=protocol) if not fragment["meta_rows"] else []
     return render(request, "leaderboard/home.html", {
+        "measuring": measuring,
         "protocol": shapes.protocol_summary(protocol), "board_html": fragment["html"],
         "board": fragment.get("board"), "filters": filters,
         "protocols": protocol_choices(), "protocol_ref": ref,
@@ -219,7 +226,12 @@ def drafter_detail(request, slug):
                                             k_param, t_param), build)
     manage = permissions.can_manage(request.user, page["drafter"]["owner_id"],
                                     page["drafter"]["review_state"])
+    # The shown run (or the run re-measuring it) still queued or running: what it measures
+    # next and its ETA, as the queue shows them (not cached: ETAs move).
+    active = [r["id"] for r in (page["run"], page["remeasuring"])
+              if r and r["state"] in (Run.QUEUED, Run.RUNNING)]
     return render(request, "leaderboard/drafter.html", {
+        "measuring": run_reads.active_runs(run_ids=active) if active else [],
         "page": fragment.get("page", page), "d": page["drafter"],
         "results_html": fragment["html"], "can_manage": manage,
         "has_charts": fragment["meta_has_charts"],
@@ -359,7 +371,8 @@ def compare(request):
     if len(slugs) >= 2:
         data = board.compare(protocol, slugs)
         if data["missing"]:
-            error = ("No succeeded run under this protocol for: " + ", ".join(data["missing"]))
+            error = ("No succeeded or measuring run under this protocol for: "
+                     + ", ".join(data["missing"]))
         if len(data["entries"]) >= 1:
             figs, summary = charts.compare_charts(data, temperature, k, task)
     return render(request, "leaderboard/compare.html", {
@@ -368,6 +381,8 @@ def compare(request):
         "protocols": protocol_choices(),
         "protocol_ref": shapes.protocol_ref(protocol), "k": k, "task": task,
         "temperature": temperature, "has_charts": bool(figs),
+        "measuring_entries": [e for e in (data or {}).get("entries", [])
+                              if e["run"]["measuring"]],
     })
 
 
@@ -410,7 +425,7 @@ def protocol_pays(request, slug, version):
     spec = protocol.spec
     temps = [float(t) for t in spec["temperatures"]]
     temperature = _float(request.GET.get("temperature"), temps)
-    data = pays.protocol_pays(protocol, temperature)
+    data = pays.protocol_pays(protocol, temperature, include_running=True)
     tasks = data["tasks"]
     weights, rec, rec_error = {}, None, None
     for t in tasks:

@@ -153,3 +153,42 @@ def test_sign_up_submit_follow_the_queue_and_see_the_charts(
     names = page.evaluate(
         "Array.from(document.querySelector('#chart-speedup').data).map(t => t.name)")
     assert len(names) == 2 and any("Browser n-gram" in n for n in names)
+
+
+def test_a_running_runs_cell_shows_on_the_leaderboard_marked_measuring(
+        live_server, browser_page, settings, tmp_path, artifacts_dir):
+    settings.MEDIA_ROOT = tmp_path / "media"
+    target = f.make_target(slug="measuring-target", name="Measuring test target")
+    protocol = f.make_protocol(target, slug="measuring-browser", hardware=QUEUE,
+                               tasks=("chat", "code"), batch_sizes=(1, 4), ks=(2,),
+                               baseline="paired", repetitions=3)
+    drafter = f.make_drafter(target, "Measuring n-gram")
+    run = f.make_run(protocol, drafter, state=Run.RUNNING, cells_done=0)
+    page, url = browser_page, live_server.url
+
+    # nothing measured yet: the board says what is measuring, with the queue's live progress
+    page.goto(f"{url}/?protocol={protocol.slug}@{protocol.version}")
+    panel = page.locator("#measuring-now")
+    assert "Measuring n-gram" in panel.inner_text() and "baseline, k=2" in panel.inner_text()
+    Run.objects.filter(pk=run.pk).update(cells_done=1, eta_seconds=125)
+    page.wait_for_function(
+        f"document.querySelector('#run-{run.pk} [data-field=progress]').textContent"
+        f".includes('1/{run.cells_total} cells')", timeout=10000)
+    assert "ETA 2m 05s" in panel.inner_text()
+
+    # its first comparison lands (test data computed by worker.metrics): one row, marked
+    base = f.result_from_counts(run, "chat", 4, 0.0, 0, f.baseline_counts(0, 4, 0.0))
+    base.save()
+    f.result_from_counts(run, "chat", 4, 0.0, 2, f.drafter_counts(0.7, 0, 4, 0.0, 2),
+                         baseline=base).save()
+    Run.objects.filter(pk=run.pk).update(cells_done=2)
+    page.goto(f"{url}/?protocol={protocol.slug}@{protocol.version}")
+    row = page.locator("#leaderboard tr.drafter-row.measuring")
+    assert row.count() == 1
+    text = row.inner_text()
+    assert "Measuring n-gram" in text and f"measuring: 2 of {run.cells_total} cells" in text
+    assert "×" in text and row.locator("td.rank").inner_text().strip() == "–"
+    assert page.locator("#measuring-now").count() == 0
+    page.screenshot(path=str(artifacts_dir / "leaderboard-measuring.png"), full_page=True)
+    row.locator("a.badge.measuring").click()
+    page.wait_for_url(f"**/runs/{run.pk}/")

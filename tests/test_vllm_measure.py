@@ -19,8 +19,8 @@ import shutil
 import pytest
 
 from worker.measure import (FIGURE_KEYS, CellResult, DrafterSpec, MeasureJob, cli, iter_cells,
-                            load_protocol_file, measurement_order, parse_drafter,
-                            request_spec_counts)
+                            load_protocol_file, measurement_groups_for, measurement_order,
+                            parse_drafter, request_spec_counts)
 from worker.methods import (DrafterCheckpointError, UnsupportedMethod, check_supported,
                             speculative_config)
 from worker.metrics import counts_from_steps, per_position_acceptance, truncate_at_eos
@@ -153,7 +153,11 @@ def test_engine_core_runs_with_tcmalloc_preloaded_and_it_is_recorded(ngram_event
 def test_paired_run_yields_each_group_baseline_first_in_protocol_order(ngram_events):
     job, events, _ = ngram_events
     cells = _cells(events)
-    assert [c.cell for c in cells] == measurement_order(job) == job.spec.run_cells("ngram")
+    assert [c.cell for c in cells] == measurement_order(job)
+    assert sorted(measurement_order(job)) == sorted(job.spec.run_cells("ngram"))
+    # the first comparison (first task at the largest batch size) first, baseline first
+    first = job.spec.tasks[0].task, 0.0, max(job.spec.batch_sizes)
+    assert {(c.cell.task, c.cell.temperature, c.cell.batch_size) for c in cells[:2]} == {first}
     assert [c.cell.k for c in cells] == [0, K] * 4
     assert job.prompts["mt_bench"][0].id == "81"
     assert [p.id for p in job.prompts["mt_bench"]] == ["81", "91", "101"]  # one per category
@@ -419,7 +423,8 @@ def test_a_paired_group_is_measured_again_whole_when_one_cell_is_missing(
     assert measurement_order(job) == first_group      # the stored baseline cell again
     shared = _job(paired_protocol_file, demo_target_dir, DrafterSpec("baseline"),
                   frozenset())
-    assert measurement_order(shared) == spec.cells(with_drafter=False)
+    assert measurement_order(shared) == [c for [c] in measurement_groups_for(spec, "baseline")]
+    assert sorted(measurement_order(shared)) == sorted(spec.cells(with_drafter=False))
 
 
 def test_tcmalloc_preload_is_chosen_per_hardware_class_and_can_be_turned_off(monkeypatch,

@@ -20,6 +20,13 @@ How a run is measured
 - A group's cells are yielded when its last pass ends (baseline first). On resume a group
   with any cell not in ``job.skip`` is measured again whole and all its cells are yielded
   (a drafter cell always divides by the baseline passes measured beside it).
+- Order (``measurement_groups_for``): the *first comparison* comes first, then the rest in
+  grid order (task, temperature, batch size). The first comparison is the first task and
+  temperature at the largest batch size: its passes are the shortest of the run (every
+  prompt of a task goes in flight b at a time, so a pass lasts about prompts / b request
+  latencies), so a newcomer's leaderboard gets a complete paired comparison (baseline and
+  every k, every pass) minutes after the worker starts. Only the order changes: every cell
+  keeps all its passes and its pairing.
 - Prompts: only the first user turn is sent (protocol multi_turn "first_turn"), through the
   target's chat template when ``spec.chat_template``; the token ids are sent to the engine.
 - Sampling: temperature T, max_tokens = spec.max_new_tokens, the target's EOS ids stop a
@@ -100,20 +107,42 @@ def engine_info(job) -> dict:
     }
 
 
+def first_comparison(spec: ProtocolSpec) -> tuple:
+    """(task, temperature, batch size) of the cells a run measures first: the protocol's
+    first task and temperature at its largest batch size, the shortest passes of the run
+    (see the module docstring)."""
+    return (spec.tasks[0].task, float(spec.temperatures[0]), max(spec.batch_sizes))
+
+
+def measurement_groups_for(spec: ProtocolSpec, method: str,
+                           skip=frozenset()) -> list[list[Cell]]:
+    """The groups of cells a run of `method` ("baseline" for the baseline) measures side by
+    side, in order: the first comparison's group first, then grid order (under an unpaired
+    protocol a group is one cell, and the cells go k by k, one engine at a time, the first
+    comparison's cell first within each k). A group whose cells are all in `skip` is left
+    out. The run (``measurement_groups``) and the site (what a run measures next) both
+    call this."""
+    first = first_comparison(spec)
+
+    def is_later(cell):
+        return (cell.task, float(cell.temperature), cell.batch_size) != first
+
+    if method != "baseline" and spec.baseline == "paired":
+        groups = {}
+        for cell in spec.run_cells(method):
+            groups.setdefault((cell.task, cell.temperature, cell.batch_size), []).append(cell)
+        ordered = sorted(groups.values(), key=lambda g: is_later(g[0]))  # stable sort
+        return [cells for cells in ordered if any(c.key not in skip for c in cells)]
+    with_drafter = method != "baseline"
+    cells = [c for c in spec.cells(with_drafter=with_drafter) if c.key not in skip]
+    ks = list(spec.ks) if with_drafter else [0]
+    return [[c] for c in sorted(cells, key=lambda c: (ks.index(c.k), is_later(c)))]
+
+
 def measurement_groups(job) -> list[list[Cell]]:
     """The groups of cells iter_cells measures side by side, in order (see the module
     docstring); a group whose cells are all in ``job.skip`` is left out."""
-    spec = job.spec
-    if is_paired(job):
-        groups = {}
-        for cell in spec.run_cells(job.drafter.method):
-            groups.setdefault((cell.task, cell.temperature, cell.batch_size), []).append(cell)
-        return [cells for cells in groups.values()
-                if any(c.key not in job.skip for c in cells)]
-    with_drafter = job.drafter.method != "baseline"
-    cells = [c for c in spec.cells(with_drafter=with_drafter) if c.key not in job.skip]
-    ks = list(spec.ks) if with_drafter else [0]
-    return [[c] for c in sorted(cells, key=lambda c: ks.index(c.k))]  # stable sort
+    return measurement_groups_for(job.spec, job.drafter.method, job.skip)
 
 
 def measurement_order(job) -> list[Cell]:

@@ -25,7 +25,11 @@ class DrafterRefOut(Out):
 
 class AnalysisRunOut(Out):
     drafter: DrafterRefOut = Field(description="the drafter")
-    run_id: int = Field(description="its newest succeeded run, which the figures come from")
+    run_id: int = Field(description="its newest succeeded run, which the figures come from "
+                                    "(with include_running, for a drafter without one, its "
+                                    "run still measuring)")
+    measuring: bool = Field(False, description="the run is still measuring: figures over "
+                                               "the cells it has so far")
     has_records: bool = Field(description="whether the run has raw per-request records "
                                           "(needed for breakdown, bounds and costs)")
     baseline_run_id: Optional[int] = Field(description="the baseline run its speedups "
@@ -39,6 +43,7 @@ class MatrixCellOut(Out):
                                                          "baseline (no drafter beats it)")
     k: Optional[int] = Field(description="its speculation budget")
     speedup: float = Field(description="its measured speedup (1.0 for the baseline)")
+    measuring: bool = Field(False, description="the best drafter's run is still measuring")
     best_drafter_speedup: Optional[float] = Field(description="the best drafter's measured "
                                                               "speedup, even below 1")
 
@@ -191,11 +196,17 @@ def protocol_analysis(request, slug: str = PROTOCOL_SLUG, version: int = PROTOCO
                       temperature: Optional[float] = Query(
                           None, ge=0, le=1000, allow_inf_nan=False,
                           description="one of the protocol's temperatures (default: its "
-                                      "first)")):
+                                      "first)"),
+                      include_running: bool = Query(
+                          False, description="also a drafter whose only run is still "
+                                             "measuring, over the cells it has (marked "
+                                             "measuring), as the page shows; default: "
+                                             "succeeded runs only")):
     """The figures of the protocol's "When does it pay?" page (definitions in
     `definitions` and in worker/analysis.py)."""
     protocol = protocol_or_404(slug, version)
-    return pays.protocol_pays(protocol, _temperature(protocol, temperature))
+    return pays.protocol_pays(protocol, _temperature(protocol, temperature),
+                              include_running=include_running)
 
 
 @router.get("/recommend", response={200: RecommendOut, **error_responses(404, 422)},

@@ -1,10 +1,11 @@
-"""The leaderboard and the compare page: each drafter's newest succeeded run under a protocol,
-its cells aggregated, and the baseline cells its speedups divide by."""
+"""The leaderboard and the compare page: each drafter's shown run under a protocol (its
+newest succeeded run; for a drafter with none, its run still measuring, marked), its cells
+aggregated, and the baseline cells its speedups divide by."""
 from __future__ import annotations
 
 from collections import defaultdict
 
-from django.db.models import Count, Max, Q
+from django.db.models import Count, Max, Min, Q, Sum
 
 from ..models import Protocol, Result, Run
 from . import speedups
@@ -16,9 +17,11 @@ SORT_KEYS = ("name", "method", "k", "batch_size", "temperature", "acceptance_len
              "tokens_per_step", "acceptance_rate", "output_throughput", "speedup",
              "lossless_share")
 RUN_FIELDS = ("id", "drafter_id", "engine_version", "hardware", "hardware_description",
-              "artifact", "queued_at")
+              "artifact", "queued_at", "state", "cells_done", "cells_total", "attempts")
 DRAFTER_FIELDS = ("slug", "name", "method", "owner_id", "owner__username", "review_state",
                   "claimed_acceptance_length", "claimed_speedup", "claimed_source")
+# The leaderboard's default batch size: the smallest one that has rows (see leaderboard()).
+SMALLEST_MEASURED = "smallest measured"
 
 
 def _summary_from_values(v: dict) -> dict:
@@ -31,12 +34,30 @@ def _summary_from_values(v: dict) -> dict:
             "claimed_speedup": d["claimed_speedup"], "claimed_source": d["claimed_source"]}
 
 
-def latest_succeeded_runs(protocol: Protocol, method: str | None = None,
-                          baselines_only: bool = False, slugs=None):
-    """(newest succeeded run per drafter, {engine version: newest succeeded baseline run}),
-    drafters withdrawn or rejected left out. Runs are dicts (RUN_FIELDS, "drafter": a
-    drafter summary or None, "artifact_url"). One query."""
-    qs = (Run.objects.filter(protocol=protocol, state=Run.SUCCEEDED)
+def pick_shown(runs, state=lambda r: r["state"], cells_done=lambda r: r["cells_done"]):
+    """(the run shown, the run re-measuring it) among one drafter's runs under one protocol,
+    newest first: its newest succeeded run, and the newest running run queued after it
+    (None when there is none); for a drafter without a succeeded run, its newest running run
+    that has measured a cell, and None. The leaderboard, compare, "When does it pay?" and
+    the drafter page all choose with this."""
+    for i, r in enumerate(runs):
+        if state(r) == Run.SUCCEEDED:
+            newer = next((x for x in runs[:i] if state(x) == Run.RUNNING), None)
+            return r, newer
+    return next((r for r in runs if state(r) == Run.RUNNING and cells_done(r)), None), None
+
+
+def shown_runs(protocol: Protocol, method: str | None = None, baselines_only: bool = False,
+               slugs=None, include_running: bool = True):
+    """(the run shown for each drafter (`pick_shown`), {engine version: newest succeeded
+    baseline run}), drafters withdrawn or rejected left out. Runs are dicts (RUN_FIELDS,
+    "drafter": a drafter summary or None, "artifact_url", "url", "measuring": the run is
+    still running, "remeasuring": None or the running run re-measuring a succeeded one, as
+    {"id", "cells_done", "cells_total", "url"}). A running shared baseline is never shown:
+    speedups divide only by succeeded ones (services.baselines). Without include_running
+    only succeeded runs are shown (and none is marked re-measuring). One query."""
+    states = [Run.SUCCEEDED, Run.RUNNING] if include_running else [Run.SUCCEEDED]
+    qs = (Run.objects.filter(protocol=protocol, state__in=states)
           .exclude(drafter__review_state__in=HIDDEN_REVIEW_STATES)
           .order_by("-queued_at", "-pk"))
     if baselines_only:
@@ -45,31 +66,57 @@ def latest_succeeded_runs(protocol: Protocol, method: str | None = None,
         qs = qs.filter(Q(drafter__slug__in=slugs) | Q(drafter__isnull=True))
     elif method:
         qs = qs.filter(Q(drafter__method=method) | Q(drafter__isnull=True))
-    drafter_runs, baselines = {}, {}
+    by_drafter, baselines = defaultdict(list), {}
     for v in qs.values(*RUN_FIELDS, *(f"drafter__{f}" for f in DRAFTER_FIELDS)):
         if v["drafter_id"] is None:
-            if v["engine_version"] not in baselines:
+            if v["state"] == Run.SUCCEEDED and v["engine_version"] not in baselines:
                 baselines[v["engine_version"]] = _run_values(v, None)
-        elif v["drafter_id"] not in drafter_runs:
-            drafter_runs[v["drafter_id"]] = _run_values(v, _summary_from_values(v))
-    return list(drafter_runs.values()), baselines
+        else:
+            by_drafter[v["drafter_id"]].append(v)
+    drafter_runs = []
+    for runs in by_drafter.values():
+        shown, newer = pick_shown(runs)
+        if shown is not None:
+            run = _run_values(shown, _summary_from_values(shown))
+            run["remeasuring"] = None if newer is None else {
+                "id": newer["id"], "cells_done": newer["cells_done"],
+                "cells_total": newer["cells_total"], "url": fast_url("run", newer["id"])}
+            drafter_runs.append(run)
+    return drafter_runs, baselines
+
+
+def latest_succeeded_runs(protocol: Protocol, **kwargs):
+    """`shown_runs` of succeeded runs only (the recommender weighs whole task mixes)."""
+    return shown_runs(protocol, include_running=False, **kwargs)
 
 
 def _run_values(v: dict, drafter: dict | None) -> dict:
     run = {f: v[f] for f in RUN_FIELDS}
     run["drafter"] = drafter
     run["artifact_url"] = fast_url("run_artifact", v["id"]) if v["artifact"] else None
+    run["url"] = fast_url("run", v["id"])
+    run["measuring"] = v["state"] == Run.RUNNING
+    run["remeasuring"] = None
     return run
 
 
 def leaderboard_signature(protocol: Protocol) -> tuple:
     """Changes whenever the runs a leaderboard shows change (a run succeeds, a drafter is
-    withdrawn or approved): for caching. One query."""
-    agg = (Run.objects.filter(protocol=protocol, state=Run.SUCCEEDED)
+    withdrawn or approved, a running run writes a cell, starts again or stops): for
+    caching. One query."""
+    shown = Q(state=Run.SUCCEEDED)
+    running = Q(state=Run.RUNNING)
+    agg = (Run.objects.filter(protocol=protocol, state__in=[Run.SUCCEEDED, Run.RUNNING])
            .exclude(drafter__review_state__in=HIDDEN_REVIEW_STATES)
-           .aggregate(n=Count("id"), last=Max("id"), finished=Max("finished_at")))
+           .aggregate(n=Count("id", filter=shown), last=Max("id", filter=shown),
+                      finished=Max("finished_at", filter=shown),
+                      running=Count("id", filter=running),
+                      running_last=Max("id", filter=running),
+                      running_cells=Sum("cells_done", filter=running),
+                      running_attempts=Sum("attempts", filter=running)))
     return (protocol.pk, protocol.sha256, agg["n"], agg["last"],
-            agg["finished"].isoformat() if agg["finished"] else None)
+            agg["finished"].isoformat() if agg["finished"] else None, agg["running"],
+            agg["running_last"], agg["running_cells"], agg["running_attempts"])
 
 
 def leaderboard(protocol: Protocol, *, task: str | None = None, batch_size: int | None = None,
@@ -77,31 +124,47 @@ def leaderboard(protocol: Protocol, *, task: str | None = None, batch_size: int 
                 method: str | None = None, sort: str = "speedup",
                 descending: bool = True) -> dict:
     """The leaderboard of one protocol: one row per (drafter, batch size, temperature, k)
-    from each drafter's newest succeeded run, figures over one task or all tasks (None),
-    and the baseline rows. None for a filter means every value. Two queries.
+    from each drafter's shown run (`shown_runs`: its newest succeeded run, else its run
+    still measuring), figures over one task or all tasks (None), and the baseline rows.
+    None for a filter means every value; batch_size SMALLEST_MEASURED: the smallest batch
+    size with drafter cells (the smallest of the protocol while no run is measuring; one
+    more query otherwise). Rows of a run still measuring are marked "measuring", sorted
+    among the others by their figure and never ranked: ranks and ties are those of the
+    finished rows alone. Two or three queries.
 
     Returns {"protocol", "filters", "choices", "rows", "baseline_rows", "runs_info",
     "drafters"}; a row: {"drafter" (drafter summary), "run_id", "task", "batch_size",
     "temperature", "k", "cells", "requests", "acceptance_length", "acceptance_rate",
     "output_throughput", "speedup", "lossless_share", "baseline_throughput",
-    "engine_version", "hardware_description", "artifact_url"}."""
+    "engine_version", "hardware_description", "artifact_url", "run" (the run: "measuring",
+    "cells_done", "cells_total", "url", "remeasuring"), "tasks_measured"}."""
     spec = protocol.spec
-    drafter_runs, baselines = latest_succeeded_runs(protocol, method)
+    drafter_runs, baselines = shown_runs(protocol, method)
     run_by_id = {r["id"]: r for r in drafter_runs}
     run_by_id.update({r["id"]: r for r in baselines.values()})
 
-    def narrowed(qs):
+    def narrowed(qs, by_batch_size=True):
         if task:
             qs = qs.filter(task=task)
-        if batch_size is not None:
+        if by_batch_size and batch_size is not None:
             qs = qs.filter(batch_size=batch_size)
         if temperature is not None:
             qs = qs.filter(temperature=temperature)
         return qs
 
-    # Drafter rows: the cells (k > 0) of each drafter's newest succeeded run, each divided
-    # by the baseline cell stored with it (selectors.speedups). Three queries.
     drafter_ids = [r["id"] for r in drafter_runs]
+    if batch_size == SMALLEST_MEASURED:
+        batch_size = min(spec["batch_sizes"])
+        if any(r["measuring"] for r in drafter_runs):
+            # a run still measuring may have cells at a larger batch size only (it measures
+            # its first comparison at the largest one: worker.measure)
+            measured = narrowed(Result.objects.filter(run_id__in=drafter_ids, k__gt=0),
+                                by_batch_size=False)
+            measured = measured.filter(k=k) if k is not None else measured
+            batch_size = measured.aggregate(b=Min("batch_size"))["b"] or batch_size
+
+    # Drafter rows: the cells (k > 0) of each drafter's shown run, each divided by the
+    # baseline cell stored with it (selectors.speedups). Three queries.
     cells_qs = narrowed(Result.objects.filter(run_id__in=drafter_ids, k__gt=0))
     if k is not None:
         cells_qs = cells_qs.filter(k=k)
@@ -120,7 +183,10 @@ def leaderboard(protocol: Protocol, *, task: str | None = None, batch_size: int 
             "lossless_share": g["lossless_share"], "baseline_throughput": base_thr,
             "engine_version": run["engine_version"],
             "hardware_description": run["hardware_description"],
-            "artifact_url": run["artifact_url"], **(extra or {}),
+            "artifact_url": run["artifact_url"],
+            "run": {f: run[f] for f in ("measuring", "cells_done", "cells_total", "url",
+                                        "remeasuring")},
+            "tasks_measured": g["cells"] if not task else 1, **(extra or {}),
         }
 
     rows = []
@@ -184,18 +250,21 @@ def leaderboard(protocol: Protocol, *, task: str | None = None, batch_size: int 
 
 
 def compare_candidates(protocol: Protocol) -> list[dict]:
-    """Drafters with a succeeded run under the protocol (for the compare form)."""
-    drafter_runs, _ = latest_succeeded_runs(protocol)
-    return sorted((r["drafter"] for r in drafter_runs), key=lambda d: d["name"].lower())
+    """Drafters with a run shown under the protocol (succeeded, or still measuring: then
+    "measuring" is true), for the compare form."""
+    drafter_runs, _ = shown_runs(protocol)
+    return sorted(({**r["drafter"], "measuring": r["measuring"]} for r in drafter_runs),
+                  key=lambda d: d["name"].lower())
 
 
 def compare(protocol: Protocol, slugs: list[str]) -> dict:
-    """2-4 drafters side by side on one protocol: each drafter's newest succeeded run and
-    its cells, and the baseline cells each of them divides by. Two queries.
+    """2-4 drafters side by side on one protocol: each drafter's shown run (`shown_runs`:
+    newest succeeded, else still measuring, its "measuring" flag set) and its cells, and the
+    baseline cells each of them divides by. Two queries.
 
     Returns {"protocol", "entries": [{"drafter", "run", "cells", "baseline_cells"}],
-    "missing": [slugs without a succeeded run under the protocol]}."""
-    drafter_runs, _ = latest_succeeded_runs(protocol, slugs=list(slugs))
+    "missing": [slugs without a succeeded or measuring run under the protocol]}."""
+    drafter_runs, _ = shown_runs(protocol, slugs=list(slugs))
     latest = {r["drafter"]["slug"]: r for r in drafter_runs}
     chosen = [latest[s] for s in slugs if s in latest]
     ids = [r["id"] for r in chosen]

@@ -8,6 +8,7 @@ from django.db.models import Count, Max, Sum
 
 from ..models import Drafter, Result, Run
 from . import speedups
+from .board import pick_shown
 from .shapes import (HIDDEN_REVIEW_STATES, drafter_summary, filtered, protocol_summary,
                      run_summary, training_summary)
 
@@ -30,10 +31,13 @@ def run_cells(run_id: int) -> list[dict]:
 
 
 def _pick_run(runs: list[Run], protocol_id: int):
-    """The run a drafter page shows for a protocol: the newest succeeded one, else the
-    newest with any state."""
+    """(the run a drafter page shows for a protocol, the run re-measuring it or None): the
+    one the leaderboard shows (board.pick_shown: the newest succeeded, else the newest
+    running with a cell), else the newest with any state (queued, running without a cell,
+    failed)."""
     mine = [r for r in runs if r.protocol_id == protocol_id]
-    return next((r for r in mine if r.state == Run.SUCCEEDED), None) or (mine[0] if mine else None)
+    shown, newer = pick_shown(mine, state=lambda r: r.state, cells_done=lambda r: r.cells_done)
+    return (shown or (mine[0] if mine else None)), newer
 
 
 def drafter_overview(slug: str, protocol_ref: str | None = None) -> dict | None:
@@ -41,7 +45,8 @@ def drafter_overview(slug: str, protocol_ref: str | None = None) -> dict | None:
     (default: the newest protocol where it has a succeeded run; the newest succeeded run
     there, else the newest run). None if there is no such drafter. Three queries.
 
-    Returns {"drafter", "files", "runs", "protocols", "protocol", "protocol_json", "run"};
+    Returns {"drafter", "files", "runs", "protocols", "protocol", "protocol_json", "run",
+    "remeasuring" (a newer running run of the shown succeeded one, or None)};
     "_run" and "_protocol" hold the model instances for `drafter_results`."""
     d = Drafter.objects.select_related("owner", "target").filter(slug=slug).first()
     if d is None:
@@ -62,7 +67,7 @@ def drafter_overview(slug: str, protocol_ref: str | None = None) -> dict | None:
     if protocol is None:
         succeeded = [r for r in runs if r.state == Run.SUCCEEDED]
         protocol = (succeeded[0].protocol if succeeded else runs[0].protocol) if runs else None
-    run = _pick_run(runs, protocol.pk) if protocol else None
+    run, remeasuring = _pick_run(runs, protocol.pk) if protocol else (None, None)
     summary = drafter_summary(d)
     summary.update(description=d.description, link=d.link, licence=d.licence,
                    content_sha256=d.content_sha256, params=d.params, created_at=d.created_at,
@@ -76,6 +81,7 @@ def drafter_overview(slug: str, protocol_ref: str | None = None) -> dict | None:
         "protocol": protocol_summary(protocol) if protocol else None,
         "protocol_json": protocol.canonical_json if protocol else None,
         "run": run_summary(run) if run else None,
+        "remeasuring": run_summary(remeasuring) if remeasuring else None,
         "_run": run, "_protocol": protocol,
     }
 

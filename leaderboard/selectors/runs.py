@@ -5,7 +5,7 @@ from collections import Counter
 
 from django.db.models import F
 
-from ..models import Run
+from ..models import Result, Run
 from .shapes import filtered, protocol_ref_lookups, run_progress_summary, run_summary
 
 
@@ -41,6 +41,44 @@ def queue(hardware: str | None = None, finished_limit: int = 50) -> dict:
     return {"active": [run_summary(r, positions.get(r.pk)) for r in active],
             "finished": [run_summary(r) for r in finished],
             "hardware": hardware_classes}
+
+
+def active_runs(*, protocol=None, drafter=None, run_ids=None, limit: int = 10) -> list[dict]:
+    """The queued and running runs of a protocol (or of a drafter, or these ids), running
+    first then in queue order, as the queue page shows them (run_summary with the queue
+    position, progress and ETA) plus "next": the cells the run measures next (its next
+    group, worker.measure.measurement_groups_for on the cells it has, the same order the
+    worker follows) as {"task", "temperature", "batch_size", "ks"}, None when it has
+    measured everything. Three queries."""
+    from worker.measure import measurement_groups_for
+
+    qs = Run.objects.select_related("drafter", "drafter__owner", "protocol").filter(
+        state__in=[Run.QUEUED, Run.RUNNING])
+    if protocol is not None:
+        qs = qs.filter(protocol=protocol)
+    if drafter is not None:
+        qs = qs.filter(drafter=drafter)
+    if run_ids is not None:
+        qs = qs.filter(pk__in=list(run_ids))
+    positions = queue_positions()
+    runs = sorted(qs.order_by("queued_at", "pk")[:500],
+                  key=lambda r: (r.state != Run.RUNNING, positions.get(r.pk, 0)))[:limit]
+    done = {}
+    for run_id, *key in (Result.objects.filter(run_id__in=[r.pk for r in runs])
+                         .values_list("run_id", "task", "batch_size", "temperature", "k")):
+        done.setdefault(run_id, set()).add((key[0], key[1], float(key[2]), key[3]))
+    out = []
+    for r in runs:
+        method = r.drafter.method if r.drafter_id else "baseline"
+        groups = measurement_groups_for(r.protocol.spec_obj, method,
+                                        frozenset(done.get(r.pk, ())))
+        nxt = None
+        if groups:
+            c = groups[0][0]
+            nxt = {"task": c.task, "temperature": c.temperature, "batch_size": c.batch_size,
+                   "ks": [g.k for g in groups[0]]}
+        out.append({**run_summary(r, positions.get(r.pk)), "next": nxt})
+    return out
 
 
 def run_progress(ids) -> list[dict]:

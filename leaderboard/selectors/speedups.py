@@ -129,13 +129,15 @@ def speedup_by_batch(cells: list[dict], pinned: dict[tuple, dict] | None) -> dic
 
 def mark_ties(rows: list[dict]) -> None:
     """Ranks of rows sorted by speedup (best first): a row whose speedup interval overlaps
-    the row above's shares its rank and is marked tied ("="). Rows without a speedup get
-    no rank."""
-    prev, rank = None, 0
-    for i, r in enumerate(rows, 1):
+    the row above's shares its rank and is marked tied ("="). Rows without a speedup, and
+    rows of a run still measuring (provisional: a subset of the cells), get no rank and
+    take none: the finished rows rank as if they were not there."""
+    prev, rank, i = None, 0, 0
+    for r in rows:
         r["rank"], r["tied"] = None, False
-        if r.get("speedup") is None:
+        if r.get("speedup") is None or (r.get("run") or {}).get("measuring"):
             continue
+        i += 1
         lo = r.get("speedup_low") if r.get("speedup_low") is not None else r["speedup"]
         hi = r.get("speedup_high") if r.get("speedup_high") is not None else r["speedup"]
         if prev is not None and lo <= prev[1] and hi >= prev[0]:
