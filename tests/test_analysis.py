@@ -515,6 +515,97 @@ def test_crossover_matrix_recommender_and_pareto_on_crafted_results():
     assert [p["frontier"] for p in pts] == [True, True, False, True, False]
 
 
+# ---- break-even map ----------------------------------------------------------------------
+
+def test_the_break_even_is_the_draft_cost_plus_the_verification_over_a_forward():
+    model = analysis.fit_cost_models(baseline_cells())[("chat", 0.0)]
+    # no prefill slope in these records (one prompt length): c_tok = c1, t_fwd(b, q) = t_fwd(b q)
+    for b in (1, 2, 8):
+        for cost in (0.0, 0.3, 1.7):
+            expected = cost + t_fwd(b * (K + 1)) / t_fwd(b)
+            assert analysis.break_even_acceptance(model, b, K, cost) == pytest.approx(expected)
+    # a share s of the steps drafts: tau* counts s k drafted tokens a step, AL* = 1 + (tau*-1)/s
+    be = analysis.break_even(model, 2, K, 0.25, drafting_share=0.5)
+    tau = 0.25 + t_fwd(2 * (1 + 0.5 * K)) / t_fwd(2)
+    assert be["tokens_per_step"] == pytest.approx(tau)
+    assert be["acceptance_length"] == pytest.approx(1 + (tau - 1) / 0.5)
+    assert be["reachable"] == (be["acceptance_length"] <= K + 1)
+    assert analysis.break_even(model, 2, K, 0.0, drafting_share=0.0)["acceptance_length"] is None
+
+
+def test_a_drafter_exactly_at_its_break_even_is_predicted_and_measured_at_one():
+    """The GOOD pattern at b=2 (14 decode tokens in 6 steps, 5 verifying k + 1 tokens), with
+    the draft cost per step chosen so that its tokens per step equal its break-even: the
+    map, the predicted speedup (prefill included: it does not move the break-even) and the
+    cell's measured speedup are all 1.0x; a cheaper drafter is above it and pays."""
+    b = 2
+    forwards = 5 * t_fwd(b * (K + 1)) + t_fwd(b)
+    at_break_even = (14 * t_fwd(b) - forwards) / 6
+    assert at_break_even > 0
+    base = baseline_cells()      # b = 1, 2, 8: the fit recovers C0 and C1
+    for cost, pays in ((at_break_even, None), (at_break_even / 2, True)):
+        cell = with_speedup(drafter_cells(GOOD, cost, sizes=(b,)), base)[0]
+        a = analysis.analyse_run([cell], base, "draft_model")[0]
+        assert a["tokens_per_step"] == pytest.approx(14 / 6)
+        assert a["draft_cost_relative"] == pytest.approx(cost / t_fwd(b))
+        own = analysis.break_even(analysis.fit_cost_models(base)[("chat", 0.0)], b, K,
+                                  a["draft_cost_relative"], drafting_share=5 / 6)
+        assert a["break_even_tokens_per_step"] == pytest.approx(own["tokens_per_step"])
+        if pays is None:
+            assert a["break_even_tokens_per_step"] == pytest.approx(14 / 6)
+            for figure in ("map_speedup", "predicted_speedup", "measured_speedup"):
+                assert a[figure] == pytest.approx(1.0), figure
+        else:
+            assert a["map_speedup"] > 1 and a["measured_speedup"] > 1
+            # without prefill the map speedup is the predicted speedup's decode-only part
+            assert a["map_speedup"] == pytest.approx(14 * t_fwd(b) / (forwards + 6 * cost))
+
+
+def test_break_even_curves_rise_with_draft_cost_batch_size_and_k_and_stop_at_k_plus_one():
+    import random
+
+    rng = random.Random(7)
+    for _ in range(200):
+        c0, c1 = rng.uniform(0, 0.02), rng.uniform(0, 0.003)
+        c_tok = rng.choice([None, rng.uniform(0, 0.01)])
+        if c0 + c1 == 0:
+            continue
+        model = analysis.CostModel(c0, c1, c_tok=c_tok)
+        costs = sorted(rng.uniform(0, 3) for _ in range(6))
+        for k in (1, 2, 4):
+            for b in (1, 2, 4, 8, 16):
+                taus = [analysis.break_even_acceptance(model, b, k, x) for x in costs]
+                assert taus == sorted(taus)
+                assert taus[0] >= 1 + costs[0] - 1e-12      # at least one forward's worth
+                # growing b or k never lowers what a drafter needs
+                assert analysis.break_even_acceptance(model, 2 * b, k, costs[0]) \
+                    >= taus[0] - 1e-12
+                assert analysis.break_even_acceptance(model, b, k + 1, costs[0]) \
+                    >= taus[0] - 1e-12
+                curve = analysis.break_even_curve(model, b, k, costs)
+                ys = [p["tokens_per_step"] for p in curve]
+                assert ys == sorted(ys) and all(y <= k + 1 + 1e-12 for y in ys)
+                if taus[-1] > k + 1 and curve:
+                    assert curve[-1]["tokens_per_step"] == k + 1   # where no drafter pays
+
+
+def test_the_break_even_refuses_inputs_no_drafter_can_have():
+    model = analysis.CostModel(C0, C1)
+    for args, kwargs, match in (
+            ((None, 2, K, 0.1), {}, "cost model"),
+            ((model, 0, K, 0.1), {}, "batch size"),
+            ((model, 2, 0, 0.1), {}, "k must be"),
+            ((model, 2, K, -0.1), {}, "draft cost"),
+            ((model, 2, K, float("nan")), {}, "draft cost"),
+            ((model, 2, K, float("inf")), {}, "draft cost"),
+            ((model, 2, K, 0.1), {"drafting_share": 1.5}, "share"),
+            ((model, 2, K, 0.1), {"drafted_tokens": K + 1}, "drafts within"),
+            ((model, 2, K, 0.1), {"drafted_tokens": 0}, "drafts within"),
+            ((analysis.CostModel(0.0, 0.0), 2, K, 0.1), {}, "no positive forward")):
+        with pytest.raises(ValueError, match=match):
+            analysis.break_even(*args, **kwargs)
+
+
 # ---- site and API -------------------------------------------------------------------------
 
 @pytest.fixture(autouse=True)
