@@ -219,7 +219,8 @@ def test_drafter_page_charts_hold_the_cells(client, board):
     assert response.status_code == 200
     html = response.content.decode()
     figs = figures(html)
-    assert set(figs) == {"speedup", "positions", "acceptance_length", "claimed", "throughput"}
+    assert set(figs) == {"speedup", "positions", "acceptance_length", "claimed", "throughput",
+                         "operating"}
     # speedup vs batch size: one trace per task whose points are the stored cells, an
     # all-tasks trace, and the 1.0 line.
     speedup = {t["name"]: t for t in figs["speedup"]["data"]}
@@ -240,6 +241,16 @@ def test_drafter_page_charts_hold_the_cells(client, board):
     assert [t["name"] for t in figs["acceptance_length"]["data"]] == ["k = 2", "k = 4"]
     assert any(t["name"] == "chat baseline" for t in figs["throughput"]["data"])
     assert any(t.get("yaxis") == "y2" for t in figs["throughput"]["data"])
+    # throughput against per-user speed: per task the drafter's cells at k and the baseline
+    # cells they divide by, x = 1 / mean TPOT of each stored row, labelled by batch size
+    operating = {t["name"]: t for t in figs["operating"]["data"]}
+    for task in ("chat", "code"):
+        cells = Result.objects.filter(run=run, task=task, k=4).order_by("batch_size")
+        base = Result.objects.filter(run=board["baseline"], task=task).order_by("batch_size")
+        for name, rows in ((task, cells), (f"{task} baseline", base)):
+            assert operating[name]["x"] == pytest.approx([1 / c.tpot_mean for c in rows])
+            assert operating[name]["y"] == pytest.approx([c.output_throughput for c in rows])
+            assert operating[name]["text"] == [f"b={c.batch_size}" for c in rows]
     claimed = {t["name"].split(" ")[0]: t["y"] for t in figs["claimed"]["data"]}
     assert claimed["claimed"] == [2.0, 1.8]
     # the table of all cells and the provenance
