@@ -374,8 +374,7 @@ def break_even_map_chart(task_map: dict, temperature: float) -> str:
     for i, ((_, k), pts) in enumerate(groups.items()):
         traces.append(go.Scatter(
             x=[p["draft_cost"] for p in pts], y=[p["tokens_per_step"] for p in pts],
-            name=f"{pts[0]['drafter']['name']} (k={k})", mode="markers+text",
-            text=[f"b={p['batch_size']}" for p in pts], textposition="middle right",
+            name=f"{pts[0]['drafter']['name']} (k={k})", mode="markers",
             hovertext=[pts[0]["drafter"]["name"]] * len(pts),
             customdata=[[p["batch_size"], p["k"], p["break_even_tokens_per_step"],
                          p["map_speedup"], p["speedup"]] for p in pts],
@@ -387,8 +386,21 @@ def break_even_map_chart(task_map: dict, temperature: float) -> str:
                         color=[_color(sizes.index(p["batch_size"])) if p["batch_size"] in sizes
                                else "#111827" for p in pts],
                         line=dict(color="#111827", width=1))))
-    return _figure(traces, f"When does it pay? {task_map['task']} (temperature "
-                   f"{temperature:g}): above its line, a drafter beats the target",
+    own = [p for p in task_map["points"] if not p["drafts_every_step"]]
+    if own:   # where not every step drafted k tokens, the drafter's own bar is lower
+        traces.append(go.Scatter(
+            x=[p["draft_cost"] for p in own], y=[p["break_even_tokens_per_step"] for p in own],
+            name="its own break-even (not every step drafted k)", mode="markers",
+            hovertext=[p["drafter"]["name"] for p in own],
+            customdata=[[p["batch_size"], p["k"], p["drafting_share"]] for p in own],
+            hovertemplate="%{hovertext} k=%{customdata[1]} b=%{customdata[0]}: needs %{y:.2f} "
+                          "tokens per step (%{customdata[2]:.0%} of its steps drafted)"
+                          "<extra></extra>",
+            marker=dict(symbol="line-ew-open", size=18, line=dict(width=3),
+                        color=[_color(sizes.index(p["batch_size"])) if p["batch_size"] in sizes
+                               else "#111827" for p in own])))
+    return _figure(traces, f"{task_map['task']}: break-even map (temperature "
+                   f"{temperature:g}; marker colour = its batch size's line)",
                    "draft cost per step / target forward t_fwd(b)",
                    "tokens per step (= AL when every step drafts)", height=440)
 
@@ -417,8 +429,8 @@ def operating_chart(task: str, lines: list[dict], baselines: list[dict],
         trace.update(mode="lines+markers+text", text=[f"b={p['batch_size']}" for p in pts],
                      textposition="bottom center")
         traces.append(trace)
-    return _figure(traces, f"Throughput against per-user speed: {task} (temperature "
-                   f"{temperature:g}); above the target's line at the same speed, it pays",
+    return _figure(traces, f"{task}: throughput against per-user speed (temperature "
+                   f"{temperature:g})",
                    "per-user speed: tokens / s of one request (1 / mean TPOT)",
                    "output throughput (tokens / s, all requests)", height=420)
 

@@ -267,7 +267,10 @@ def _map_point(drafter: dict, cell: dict, a: dict) -> dict:
             "acceptance_length": cell.get("acceptance_length"),
             "break_even_tokens_per_step": a["break_even_tokens_per_step"],
             "break_even_acceptance_length": a["break_even_acceptance_length"],
-            "map_speedup": a["map_speedup"], "speedup": cell.get("speedup"),
+            "map_speedup": a["map_speedup"], "drafting_share": a["drafting_share"],
+            "drafts_every_step": (a["drafting_share"] > 0.995
+                                  and a["drafted_per_drafting_step"] > a["k"] - 0.005),
+            "speedup": cell.get("speedup"),
             "speedup_low": cell.get("speedup_low"), "speedup_high": cell.get("speedup_high")}
 
 
@@ -282,7 +285,8 @@ def _break_even_map(tasks, batch_sizes, ks, temperature, models, base_run_id,
         pts = [p for p in map_points if p["task"] == task]
         if model is None or not pts:
             continue
-        top = max(1.0, 1.25 * max(p["draft_cost"] for p in pts))
+        # the drafters' range and half as much again (at least 0.25 of a forward)
+        top = max(0.25, 1.5 * max(p["draft_cost"] for p in pts))
         lines = [{"batch_size": b, "k": k,
                   "points": analysis.break_even_curve(model, b, k, (0.0, top))}
                  for k in ks for b in batch_sizes]

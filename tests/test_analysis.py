@@ -733,6 +733,87 @@ def test_the_pays_page_shows_matrix_bounds_pareto_combine_and_definitions(
         assert url in client.get(page).content.decode(), page
 
 
+def test_the_pays_page_places_every_measured_drafter_on_the_break_even_map(client, pays_board):
+    from leaderboard.models import Result
+
+    url = reverse("protocol_pays", args=["pays", 1])
+    response = client.get(url)
+    html = response.content.decode()
+    data = response.context["data"]
+    assert data["map"]["baseline_run_id"] == pays_board["baseline"].pk
+    tasks = {t["task"]: t for t in data["map"]["tasks"]}
+    assert set(tasks) == {"chat", "code"}
+    for t in tasks.values():
+        assert sorted((p["drafter"]["slug"], p["batch_size"]) for p in t["points"]) == sorted(
+            (slug, b) for slug in ("pays-draft", "pays-ngram") for b in SIZES)
+        assert sorted((c["batch_size"], c["k"]) for c in t["curves"]) == [(b, K) for b in SIZES]
+        for c in t["curves"]:   # starts at no draft cost: one verification of k + 1 tokens
+            b = c["batch_size"]
+            assert c["points"][0] == {"draft_cost": 0.0, "tokens_per_step": pytest.approx(
+                t_fwd(b * (K + 1)) / t_fwd(b))}
+    # the draft model on chat (GOOD: 5 of 6 steps draft k tokens), at b = 2: its own
+    # break-even, the map's speedup, and the measured speedup of its result row beside it
+    point = next(p for p in tasks["chat"]["points"]
+                 if p["drafter"]["slug"] == "pays-draft" and p["batch_size"] == 2)
+    assert point["draft_cost"] == pytest.approx(DRAFT_COST / t_fwd(2))
+    needs = (DRAFT_COST + t_fwd(2 * (1 + 5 / 6 * K))) / t_fwd(2)
+    assert point["break_even_tokens_per_step"] == pytest.approx(needs)
+    assert point["map_speedup"] == pytest.approx((14 / 6) / needs)
+    row = Result.objects.get(run__drafter=pays_board["eagle"], task="chat", batch_size=2)
+    assert point["speedup"] == pytest.approx(row.speedup)
+    assert point["acceptance_length"] == pytest.approx(row.acceptance_length)
+    # drawn: the curves and the measured markers of each task, and the table beside it
+    figs = {m.group(1): json.loads(m.group(2)) for m in re.finditer(
+        r'<script type="application/json" id="fig-([\w-]+)">(.*?)</script>', html, re.S)}
+    chat_map = {t["name"]: t for t in figs["map_0"]["data"]}
+    assert {f"pays above: b={b}, k={K}" for b in SIZES} <= set(chat_map)
+    marker = chat_map[f"Pays draft (k={K})"]
+    chat_draft = [p for p in tasks["chat"]["points"] if p["drafter"]["slug"] == "pays-draft"]
+    assert marker["y"] == pytest.approx([p["tokens_per_step"] for p in chat_draft])
+    assert [c[0] for c in marker["customdata"]] == list(SIZES)     # its batch sizes
+    # GOOD drafts on 5 of its 6 steps: its own break-even is drawn below its line's
+    assert point["drafting_share"] == pytest.approx(5 / 6) and not point["drafts_every_step"]
+    own = chat_map["its own break-even (not every step drafted k)"]
+    assert own["y"] == pytest.approx([p["break_even_tokens_per_step"]
+                                      for p in tasks["chat"]["points"]
+                                      if not p["drafts_every_step"]])
+    assert 'id="map-how-to-read"' in html and 'id="map-points"' in html
+    assert "no such calibration has been run" in html
+
+
+def test_the_pays_page_plots_throughput_against_per_user_speed_from_the_result_rows(
+        client, pays_board):
+    from leaderboard.models import Drafter, Result
+
+    # rows measured under protocol v2 carry a 95% interval of their throughput
+    rows = Result.objects.filter(run__drafter=pays_board["eagle"], task="code")
+    for r in rows:
+        r.output_throughput_low, r.output_throughput_high = (0.9 * r.output_throughput,
+                                                             1.2 * r.output_throughput)
+        r.save(update_fields=["output_throughput_low", "output_throughput_high"])
+    Drafter.objects.filter(pk=pays_board["ngram"].pk).update(name="<b>Pays</b> ngram")
+    html = client.get(reverse("protocol_pays", args=["pays", 1])).content.decode()
+    figs = {m.group(1): json.loads(m.group(2)) for m in re.finditer(
+        r'<script type="application/json" id="fig-([\w-]+)">(.*?)</script>', html, re.S)}
+    for i, task in enumerate(("chat", "code")):
+        lines = {t["name"]: t for t in figs[f"operating_{i}"]["data"]}
+        for name, run in ((f"Pays draft (k={K})", f"run__drafter={pays_board['eagle'].pk}"),
+                          (f"&lt;b&gt;Pays&lt;/b&gt; ngram (k={K})",
+                           f"run__drafter={pays_board['ngram'].pk}"),
+                          ("target alone (no drafter)", f"run={pays_board['baseline'].pk}")):
+            key, pk = run.split("=")
+            cells = Result.objects.filter(task=task, **{key: int(pk)}).order_by("batch_size")
+            assert lines[name]["x"] == pytest.approx([1 / c.tpot_mean for c in cells]), name
+            assert lines[name]["y"] == pytest.approx([c.output_throughput for c in cells]), name
+            assert lines[name]["text"] == [f"b={c.batch_size}" for c in cells]
+    code = {t["name"]: t for t in figs["operating_1"]["data"]}
+    bars = code[f"Pays draft (k={K})"]["error_y"]
+    assert bars["array"] == pytest.approx([0.2 * r.output_throughput for r in rows])
+    assert bars["arrayminus"] == pytest.approx([0.1 * r.output_throughput for r in rows])
+    assert not code["target alone (no drafter)"].get("error_y")   # no interval stored
+    assert 'id="operating"' in html
+
+
 def test_the_recommender_form_picks_the_known_best_drafter(client, pays_board):
     url = reverse("protocol_pays", args=["pays", 1])
     chat = client.get(url, {"w_chat": "1", "w_code": "0", "batch_size": "2"})
@@ -938,8 +1019,13 @@ def test_the_pays_page_draws_its_charts_in_a_browser(live_server, pays_board, ar
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
             page.goto(live_server.url + reverse("protocol_pays", args=["pays", 1]))
+            # bounds, matrix, breakdown, Pareto, a map and a per-user chart per task
             page.wait_for_function(
-                "document.querySelectorAll('div.chart .main-svg').length >= 4")
+                "document.querySelectorAll('div.chart .main-svg').length >= 8")
+            for chart in ("map_0", "map_1", "operating_0", "operating_1"):
+                assert page.locator(f"#chart-{chart} .main-svg").count() >= 1, chart
+            # the measured markers are drawn (scatter points), not only the curves
+            assert page.locator("#chart-map_0 .scatterlayer .point").count() >= 6
             page.fill("input[name=w_chat]", "0")
             page.fill("input[name=batch_size]", "1")
             page.click("#recommend-form button[type=submit]")
@@ -948,6 +1034,7 @@ def test_the_pays_page_draws_its_charts_in_a_browser(live_server, pays_board, ar
             page.screenshot(path=str(artifacts_dir / "pays.png"), full_page=True)
             page.goto(live_server.url + reverse("drafter", args=["pays-draft"]))
             page.wait_for_selector("#chart-pays_bounds .main-svg")
+            page.wait_for_selector("#chart-operating .main-svg")
         finally:
             browser.close()
             from django.db import connections

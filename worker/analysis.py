@@ -320,7 +320,7 @@ def place_on_map(a: dict, model: CostModel | None) -> dict:
     of drafting steps and drafted tokens), and map_speedup = tau / tau*. Nones where the
     cell has no draft cost, tokens per step or cost model."""
     out = {"break_even_tokens_per_step": None, "break_even_acceptance_length": None,
-           "map_speedup": None}
+           "map_speedup": None, "drafting_share": None, "drafted_per_drafting_step": None}
     tau, cost, steps = a.get("tokens_per_step"), a.get("draft_cost_relative"), a.get("steps")
     if model is None or tau is None or cost is None or not steps:
         return out
@@ -334,7 +334,8 @@ def place_on_map(a: dict, model: CostModel | None) -> dict:
         return out
     return {"break_even_tokens_per_step": be["tokens_per_step"],
             "break_even_acceptance_length": be["acceptance_length"],
-            "map_speedup": tau / be["tokens_per_step"]}
+            "map_speedup": tau / be["tokens_per_step"], "drafting_share": verify / steps,
+            "drafted_per_drafting_step": drafted if drafted is not None else a["k"]}
 
 
 # ----------------------------------------------------------------------------- requests
@@ -517,7 +518,8 @@ def analyse_cell(cell: dict, model: CostModel | None, method: str | None = None,
     "predicted_speedup", "engine_efficiency", "efficiency_note", "oracle_speedup",
     "oracle_tokens_per_step", "no_waste_speedup", "measured_above_oracle",
     "verification_capped", "wall_vs_requests", "aligned", "break_even_tokens_per_step",
-    "break_even_acceptance_length", "map_speedup"} (see the module docstring)."""
+    "break_even_acceptance_length", "map_speedup", "drafting_share",
+    "drafted_per_drafting_step"} (see the module docstring)."""
     records = cell.get("records") or []
     b, k = cell["batch_size"], cell["k"]
     reqs = [request_steps(r, k) for r in records]
@@ -575,7 +577,7 @@ def analyse_cell(cell: dict, model: CostModel | None, method: str | None = None,
                        draft_cost_relative=None, prefill_seconds=None, baseline_time=None,
                        predicted_time=None, no_waste_time=None, oracle_time=None,
                        break_even_tokens_per_step=None, break_even_acceptance_length=None,
-                       map_speedup=None)
+                       map_speedup=None, drafting_share=None, drafted_per_drafting_step=None)
             return out
 
         def fwd(q):
