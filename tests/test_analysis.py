@@ -853,6 +853,15 @@ def test_the_analysis_api_returns_the_page_figures(client, pays_board):
     assert curve["crossover"]["measured"] == 8
     assert [d[0] for d in body["definitions"]][:2] == ["Decode steps of a request",
                                                         "Cost model (vLLM runs)"]
+    assert "Break-even map" in [d[0] for d in body["definitions"]]
+    # the map and the per-user chart's figures, as the page shows them
+    chat = next(t for t in body["map"]["tasks"] if t["task"] == "chat")
+    point = next(p for p in chat["points"]
+                 if p["drafter"]["slug"] == "pays-draft" and p["batch_size"] == 2)
+    assert point["break_even_tokens_per_step"] == pytest.approx(
+        (DRAFT_COST + t_fwd(2 * (1 + 5 / 6 * K))) / t_fwd(2))
+    line = next(x for x in body["operating"]["baselines"] if x["task"] == "chat")
+    assert [p["batch_size"] for p in line["points"]] == list(SIZES)
     assert client.get("/api/protocols/pays/9/analysis").status_code == 404
     assert client.get("/api/protocols/pays/1/analysis", {"temperature": 0.7}).status_code == 422
 

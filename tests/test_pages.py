@@ -260,6 +260,36 @@ def test_drafter_page_charts_hold_the_cells(client, board):
     assert "/static/vendor/plotly.min.js" in html and "cdn" not in html.lower()
 
 
+def test_pays_page_plots_per_user_speed_from_the_rows_and_no_map_without_records(client,
+                                                                                  board):
+    """Runs without raw records: the throughput against per-user speed comes from the
+    result rows alone; the break-even map needs the records (draft cost, tokens per step)
+    and is left out rather than drawn empty."""
+    from leaderboard import charts
+
+    protocol = board["protocol"]
+    response = client.get(reverse("protocol_pays", args=[protocol.slug, protocol.version]))
+    html = response.content.decode()
+    data = response.context["data"]
+    figs = figures(html)
+    assert data["map"]["tasks"] == [] and 'id="map"' not in html
+    assert 'id="operating"' in html
+    best = charts._best_curves(data["curves"])
+    for i, task in enumerate(("chat", "code")):
+        lines = {t["name"]: t for t in figs[f"operating_{i}"]["data"]}
+        assert len(lines) == len(board["drafters"]) + 1     # each at its best k, and the target
+        for d in board["drafters"]:
+            k = best[d.slug]["k"]
+            rows = Result.objects.filter(run__drafter=d, task=task, k=k).order_by("batch_size")
+            line = lines[f"{d.name} (k={k})"]
+            assert line["x"] == pytest.approx([1 / r.tpot_mean for r in rows])
+            assert line["y"] == pytest.approx([r.output_throughput for r in rows])
+            assert line["text"] == ["b=1", "b=4"]
+        base = Result.objects.filter(run=board["baseline"], task=task).order_by("batch_size")
+        assert lines["target alone (no drafter)"]["y"] == pytest.approx(
+            [r.output_throughput for r in base])
+
+
 def test_drafter_page_without_results_says_so(client):
     target = f.make_target()
     protocol = f.make_protocol(target)
