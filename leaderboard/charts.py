@@ -9,6 +9,7 @@ import html
 import plotly.graph_objects as go
 
 from worker.analysis import speedup_by_batch
+from worker.metrics import per_user_speed
 
 from .selectors import speedups as pooled_speedups
 
@@ -229,6 +230,9 @@ def drafter_charts(page: dict, k: int, temperature: float) -> dict[str, str]:
     ]
     figs["claimed"] = _figure(traces, "Claimed vs remeasured", "", "value", barmode="group",
                               **_one_line(label="1.0"))
+    operating = drafter_operating_chart(page, k, temperature)
+    if operating:
+        figs["operating"] = operating
     return figs
 
 
@@ -334,18 +338,113 @@ def _share_bars(labels, shares_list):
                    y=[(s or {}).get(p) for s in shares_list]) for p in phases]
 
 
-def pays_charts(data: dict) -> dict[str, str]:
-    """The "When does it pay?" page's figures: speedup bounds by batch size (each drafter
-    at its best k), time shares, acceptance against draft cost with the Pareto frontier,
-    and the best speedup per task and batch size."""
-    if not data["curves"]:
-        return {}
-    batch_sizes = data["batch_sizes"]
+def _best_curves(curves) -> dict[str, dict]:
+    """{drafter slug: its curve at the k with the highest mean measured speedup}."""
     best = {}
-    for c in data["curves"]:
+    for c in curves:
         slug = c["drafter"]["slug"]
         if slug not in best or (c["mean_speedup"] or 0) > (best[slug]["mean_speedup"] or 0):
             best[slug] = c
+    return best
+
+
+DASHES = (None, "dash", "dot", "dashdot")
+SYMBOLS = ("circle", "diamond", "square", "triangle-up", "x", "star", "cross", "pentagon")
+
+
+def break_even_map_chart(task_map: dict, temperature: float) -> str:
+    """One task's break-even map: per (batch size, k) the tokens per step a drafter of a
+    given draft cost needs to pay (colour: batch size, dash: k), and each measured (drafter,
+    k) cell at its draft cost and tokens per step (symbol: drafter, colour: batch size)."""
+    sizes = sorted({c["batch_size"] for c in task_map["curves"]})
+    ks = sorted({c["k"] for c in task_map["curves"]})
+    traces = []
+    for c in task_map["curves"]:
+        bi, ki = sizes.index(c["batch_size"]), ks.index(c["k"])
+        line = _line(f"pays above: b={c['batch_size']}, k={c['k']}",
+                     [p["draft_cost"] for p in c["points"]],
+                     [p["tokens_per_step"] for p in c["points"]], bi,
+                     dash=DASHES[ki % len(DASHES)], width=1.5)
+        line.update(mode="lines", hovertemplate="break-even b=%{meta[0]}, k=%{meta[1]}<br>"
+                    "draft cost %{x:.3f} x t_fwd(b): needs %{y:.2f} tokens per step"
+                    "<extra></extra>", meta=[c["batch_size"], c["k"]])
+        traces.append(line)
+    groups: dict[tuple, list] = {}
+    for p in task_map["points"]:
+        groups.setdefault((p["drafter"]["slug"], p["k"]), []).append(p)
+    for i, ((_, k), pts) in enumerate(groups.items()):
+        traces.append(go.Scatter(
+            x=[p["draft_cost"] for p in pts], y=[p["tokens_per_step"] for p in pts],
+            name=f"{pts[0]['drafter']['name']} (k={k})", mode="markers",
+            hovertext=[pts[0]["drafter"]["name"]] * len(pts),
+            customdata=[[p["batch_size"], p["k"], p["break_even_tokens_per_step"],
+                         p["map_speedup"], p["speedup"]] for p in pts],
+            hovertemplate="%{hovertext} k=%{customdata[1]} b=%{customdata[0]}<br>draft cost "
+                          "%{x:.3f} x t_fwd(b), tokens per step %{y:.2f} (needs "
+                          "%{customdata[2]:.2f})<br>map %{customdata[3]:.2f}x, measured "
+                          "%{customdata[4]:.2f}x<extra></extra>",
+            marker=dict(size=11, symbol=SYMBOLS[i % len(SYMBOLS)],
+                        color=[_color(sizes.index(p["batch_size"])) if p["batch_size"] in sizes
+                               else "#111827" for p in pts],
+                        line=dict(color="#111827", width=1))))
+    own = [p for p in task_map["points"] if not p["drafts_every_step"]]
+    if own:   # where not every step drafted k tokens, the drafter's own bar is lower
+        traces.append(go.Scatter(
+            x=[p["draft_cost"] for p in own], y=[p["break_even_tokens_per_step"] for p in own],
+            name="its own break-even (not every step drafted k)", mode="markers",
+            hovertext=[p["drafter"]["name"] for p in own],
+            customdata=[[p["batch_size"], p["k"], p["drafting_share"]] for p in own],
+            hovertemplate="%{hovertext} k=%{customdata[1]} b=%{customdata[0]}: needs %{y:.2f} "
+                          "tokens per step (%{customdata[2]:.0%} of its steps drafted)"
+                          "<extra></extra>",
+            marker=dict(symbol="line-ew-open", size=18, line=dict(width=3),
+                        color=[_color(sizes.index(p["batch_size"])) if p["batch_size"] in sizes
+                               else "#111827" for p in own])))
+    return _figure(traces, f"{task_map['task']}: break-even map (temperature "
+                   f"{temperature:g}; marker colour = its batch size's line)",
+                   "draft cost per step / target forward t_fwd(b)",
+                   "tokens per step (= AL when every step drafts)", height=440)
+
+
+def operating_chart(task: str, lines: list[dict], baselines: list[dict],
+                    temperature: float) -> str:
+    """Output throughput against per-user speed for one task: a line per drafter (through
+    its batch sizes, labelled b=...) and the target alone's; error bars: the throughput's
+    95% interval where the cells have one."""
+    traces = []
+    for i, line in enumerate(lines):
+        pts = line["points"]
+        trace = _line(f"{line['drafter']['name']} (k={line['k']})",
+                      [p["per_user_speed"] for p in pts], [p["output_throughput"] for p in pts],
+                      i, error=_error_bars(pts, "output_throughput"))
+        trace.update(mode="lines+markers+text", text=[f"b={p['batch_size']}" for p in pts],
+                     textposition="top center")
+        traces.append(trace)
+    for j, line in enumerate(baselines):
+        pts = line["points"]
+        name = "target alone (no drafter)" + (f", run {line['run_id']}" if len(baselines) > 1
+                                              else "")
+        trace = _line(name, [p["per_user_speed"] for p in pts],
+                      [p["output_throughput"] for p in pts], len(PALETTE) - 1 - j, dash="dash",
+                      error=_error_bars(pts, "output_throughput"))
+        trace.update(mode="lines+markers+text", text=[f"b={p['batch_size']}" for p in pts],
+                     textposition="bottom center")
+        traces.append(trace)
+    return _figure(traces, f"{task}: throughput against per-user speed (temperature "
+                   f"{temperature:g})",
+                   "per-user speed: tokens / s of one request (1 / mean TPOT)",
+                   "output throughput (tokens / s, all requests)", height=420)
+
+
+def pays_charts(data: dict) -> dict[str, str]:
+    """The "When does it pay?" page's figures: speedup bounds by batch size (each drafter
+    at its best k), time shares, acceptance against draft cost with the Pareto frontier,
+    the best speedup per task and batch size, the break-even map per task and throughput
+    against per-user speed per task (each drafter at its best k)."""
+    if not data["curves"]:
+        return {}
+    batch_sizes = data["batch_sizes"]
+    best = _best_curves(data["curves"])
     figs, traces = {}, []
     for i, c in enumerate(best.values()):
         traces += _bounds_traces(c["by_batch"], f"{c['drafter']['name']} (k={c['k']})", i)
@@ -390,7 +489,41 @@ def pays_charts(data: dict) -> dict[str, str]:
         colorbar=dict(title=dict(text="best speedup")))],
         f"Best drafter per task and batch size (temperature {data['temperature']:g})",
         "batch size", "task", xaxis=dict(type="category"))
+    for i, task_map in enumerate((data.get("map") or {}).get("tasks") or []):
+        figs[f"map_{i}"] = break_even_map_chart(task_map, data["temperature"])
+    operating = data.get("operating") or {}
+    chosen = {(c["drafter"]["slug"], c["k"]) for c in best.values()}
+    for i, task in enumerate(data["tasks"]):
+        lines = [x for x in operating.get("drafters") or [] if x["task"] == task
+                 and (x["drafter"]["slug"], x["k"]) in chosen]
+        bases = [x for x in operating.get("baselines") or [] if x["task"] == task]
+        if lines:
+            figs[f"operating_{i}"] = operating_chart(task, lines, bases, data["temperature"])
     return figs
+
+
+def drafter_operating_chart(page: dict, k: int, temperature: float) -> str | None:
+    """The drafter page's throughput against per-user speed: per task the drafter's cells
+    at k (solid) and the baseline cells they divide by (dashed), through the batch sizes."""
+    cells = [c for c in page["cells"] if c["temperature"] == temperature and c["k"] == k]
+    base = [c for c in page["baseline_cells"] if c["temperature"] == temperature]
+    traces = []
+    for i, task in enumerate(_tasks(cells)):
+        for rows, name, dash, width in (
+                ([c for c in cells if c["task"] == task], task, None, 2),
+                ([c for c in base if c["task"] == task], f"{task} baseline", "dash", 1.5)):
+            rows = sorted(rows, key=lambda c: c["batch_size"])
+            trace = _line(name, [per_user_speed(c["tpot_mean"]) for c in rows],
+                          [c["output_throughput"] for c in rows], i, dash=dash, group=task,
+                          width=width, error=_error_bars(rows, "output_throughput"))
+            trace.update(mode="lines+markers+text", textposition="top center",
+                         text=[f"b={c['batch_size']}" for c in rows])
+            traces.append(trace)
+    if not traces:
+        return None
+    return _figure(traces, f"Throughput against per-user speed (k = {k}, temperature "
+                   f"{temperature:g}); dashed: baseline", "per-user speed: tokens / s of "
+                   "one request (1 / mean TPOT)", "output throughput (tokens / s)", height=400)
 
 
 def drafter_pays_charts(pays: dict, k: int, temperature: float) -> dict[str, str]:

@@ -21,7 +21,7 @@ from .selectors.shapes import aggregate_cells, protocol_summary
 
 
 log = logging.getLogger(__name__)
-ANALYSIS_VERSION = 3   # 3: steps that drafted nothing cost a one-token forward
+ANALYSIS_VERSION = 4   # 3: steps that drafted nothing cost a one-token forward; 4: the map
 ANALYSIS_CACHE_SECONDS = 7 * 24 * 3600
 
 
@@ -156,6 +156,7 @@ def protocol_pays(protocol: Protocol, temperature: float | None = None,
 def _protocol_pays(protocol, temperature, tasks, batch_sizes, ks, drafter_runs, baselines,
                    by_run, pinned) -> dict:
     entries, drafters, curves, points, combine_inputs = [], [], [], [], defaultdict(dict)
+    map_points, operating = [], []
     base_outputs, base_records = {}, {}
     for r in sorted(drafter_runs, key=lambda r: r["drafter"]["name"].lower()):
         d = r["drafter"]
@@ -187,8 +188,11 @@ def _protocol_pays(protocol, temperature, tasks, batch_sizes, ks, drafter_runs, 
                          "measuring": r["measuring"], "run_url": r["url"],
                          "cells_done": r["cells_done"], "cells_total": r["cells_total"],
                          "baseline_run_id": base_run["id"] if base_run else None})
+        operating += _operating_lines(d, cells)
         by_k = defaultdict(list)
         for c, a in zip(cells, rows):
+            if a and a.get("map_speedup") is not None:
+                map_points.append(_map_point(d, c, a))
             entries.append({"drafter": d["slug"], "k": c["k"], "task": c["task"],
                             "batch_size": c["batch_size"], "speedup": c["speedup"],
                             "measuring": r["measuring"]})
@@ -228,13 +232,14 @@ def _protocol_pays(protocol, temperature, tasks, batch_sizes, ks, drafter_runs, 
                 "best_drafter_speedup": m.get("best_drafter_speedup", m["speedup"])})
         matrix_rows.append(row)
     combine, combine_models = [], {}
-    # the cost model of the combination: the pinned baseline cells of the first drafter
-    # that has any (paired protocols have no separate baseline run)
+    # the cost model of the combination and of the map's curves: the pinned baseline cells
+    # of the first drafter that has any (paired protocols have no separate baseline run)
     base_cells = next((sorted(pinned[r["id"]].values(), key=speedups.cell_key)
                        for r in drafter_runs if pinned.get(r["id"])), [])
-    if base_cells and combine_inputs:
-        base_id = base_cells[0]["run_id"]
-        combine_models = analysis.fit_cost_models(baseline_for_cost_model(base_id, base_cells))
+    base_id = base_cells[0]["run_id"] if base_cells else None
+    if base_cells and (combine_inputs or map_points):
+        combine_models = analysis.fit_cost_models(
+            base_records.get(base_id) or baseline_for_cost_model(base_id, base_cells))
     for (t, b, k), recs in sorted(combine_inputs.items()):
         model = combine_models.get((t, float(temperature)))
         try:
@@ -248,11 +253,75 @@ def _protocol_pays(protocol, temperature, tasks, batch_sizes, ks, drafter_runs, 
                                     "speedup_bound")},
                 "drafters": [{"drafter": names[s], "tokens_per_step": v}
                              for s, v in sorted(res["drafter_tokens_per_step"].items())]})
+    baseline_lines = []
+    for run_id in sorted({c["run_id"] for cs in pinned.values() for c in cs.values()}):
+        mine = [c for cs in pinned.values() for c in cs.values() if c["run_id"] == run_id]
+        unique = list({speedups.cell_key(c): c for c in mine}.values())
+        baseline_lines += _operating_lines(None, unique, run_id)
     return {"temperature": temperature, "tasks": tasks, "batch_sizes": batch_sizes, "ks": ks,
             "drafters": drafters, "matrix": matrix_rows, "curves": curves,
             "pareto": analysis.pareto(points), "combine": combine,
+            "map": _break_even_map(tasks, batch_sizes, ks, temperature, combine_models,
+                                   base_id, map_points),
+            "operating": {"drafters": operating, "baselines": baseline_lines},
             "definitions": analysis.definitions(),
             "has_records": any(x["has_records"] for x in drafters)}
+
+
+def _map_point(drafter: dict, cell: dict, a: dict) -> dict:
+    """One measured cell on the break-even map (worker.analysis.place_on_map), with its
+    measured speedup and interval from the result row."""
+    return {"drafter": drafter, "task": cell["task"], "batch_size": cell["batch_size"],
+            "k": cell["k"], "draft_cost": a["draft_cost_relative"],
+            "tokens_per_step": a["tokens_per_step"],
+            "acceptance_length": cell.get("acceptance_length"),
+            "break_even_tokens_per_step": a["break_even_tokens_per_step"],
+            "break_even_acceptance_length": a["break_even_acceptance_length"],
+            "map_speedup": a["map_speedup"], "drafting_share": a["drafting_share"],
+            "drafts_every_step": (a["drafting_share"] > 0.995
+                                  and a["drafted_per_drafting_step"] > a["k"] - 0.005),
+            "speedup": cell.get("speedup"),
+            "speedup_low": cell.get("speedup_low"), "speedup_high": cell.get("speedup_high")}
+
+
+def _break_even_map(tasks, batch_sizes, ks, temperature, models, base_run_id,
+                    map_points) -> dict:
+    """The break-even curves per task, batch size and k (worker.analysis.break_even_curve on
+    the cost model of the reference baseline run) over the draft costs the measured cells
+    span, and the measured cells placed on them."""
+    out = {"baseline_run_id": base_run_id, "tasks": []}
+    for task in tasks:
+        model = models.get((task, float(temperature)))
+        pts = [p for p in map_points if p["task"] == task]
+        if model is None or not pts:
+            continue
+        # the drafters' range and half as much again (at least 0.25 of a forward)
+        top = max(0.25, 1.5 * max(p["draft_cost"] for p in pts))
+        lines = [{"batch_size": b, "k": k,
+                  "points": analysis.break_even_curve(model, b, k, (0.0, top))}
+                 for k in ks for b in batch_sizes]
+        out["tasks"].append({"task": task, "curves": lines, "cost_model": model.to_dict(),
+                             "points": sorted(pts, key=lambda p: (
+                                 p["drafter"]["name"].lower(), p["k"], p["batch_size"]))})
+    return out
+
+
+def _operating_lines(drafter: dict | None, cells: list[dict], run_id=None) -> list[dict]:
+    """Per (k, task) of one drafter's cells (or a baseline run's): the operating points by
+    batch size, (per-user speed = 1 / mean TPOT, output throughput with its interval)."""
+    groups = defaultdict(list)
+    for c in cells:
+        groups[(c["k"], c["task"])].append(c)
+    out = []
+    for (k, task), cs in sorted(groups.items()):
+        out.append({"drafter": drafter, "k": k, "task": task, "run_id": run_id, "points": [
+            {"batch_size": c["batch_size"], "per_user_speed": metrics.per_user_speed(
+                c.get("tpot_mean")), "output_throughput": c.get("output_throughput"),
+             "output_throughput_low": c.get("output_throughput_low"),
+             "output_throughput_high": c.get("output_throughput_high"),
+             "speedup": c.get("speedup")}
+            for c in sorted(cs, key=lambda c: c["batch_size"])]})
+    return out
 
 
 def parse_mix(text: str, tasks) -> dict[str, float]:

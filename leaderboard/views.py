@@ -444,6 +444,8 @@ def protocol_pays(request, slug, version):
     figs = charts.pays_charts(data)
     return render(request, "leaderboard/pays.html", {
         "data": data, "p": data["protocol"], "figs": figs, "has_charts": bool(figs),
+        "map_figs": [(key, f) for key, f in figs.items() if key.startswith("map_")],
+        "operating_figs": [(key, f) for key, f in figs.items() if key.startswith("operating_")],
         "weights": [(t, weights[t]) for t in tasks], "batch_size": b_param,
         "rec": rec, "rec_error": rec_error, "temperatures": temps,
         "api_analysis": reverse("api:protocol_analysis", args=[slug, version]),

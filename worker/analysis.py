@@ -115,6 +115,28 @@ sum t_draft over steps / sum steps x t_fwd(b) over its cells (vLLM: the measured
 for every method, n-gram included, since this axis compares measured costs), y = AL from
 summed counts. A point is on the frontier if no other has lower-or-equal cost and
 higher-or-equal AL, one of them strictly.
+
+Break-even map. With every decode step charged its draft cost t_draft plus the target's
+forward of what it verified (the cost model above), a drafter at batch size b pays exactly
+when its tokens per step reach tau* = delta + t_fwd(b, 1 + d) / t_fwd(b), where delta =
+t_draft / t_fwd(b) is its draft cost relative to a one-token forward and d the tokens it
+drafts per step on average (k when every step drafts k; s x k when a share s of the steps
+drafts). Speedup = tau x t_fwd(b) / (t_draft + t_fwd(b, 1 + d)) = tau / tau*, so tau = tau* is
+1.0x; the prefill and waiting time P adds to both sides of the ratio, so it does not move
+the break-even (it only pulls a speedup towards 1). The acceptance length needed is AL* = 1
++ (tau* - 1) / s (= tau* when every step drafts). tau* grows by 1 per unit of delta and with
+b and k (t_fwd(b, 1 + k) / t_fwd(b) = 1 + k x c_tok(b) x b / t_fwd(b), at most 1 + k); where
+it exceeds 1 + k no drafter at that k can pay, since a step emits at most k + 1 tokens. Each
+measured cell is placed at its draft cost as fitted (the measured remainder per step, n-gram
+included, as on the acceptance-against-cost axis) and its tokens per step; its own tau*
+uses its own share of drafting steps and drafted tokens, and its map speedup tau / tau* is
+the decode-only prediction with that draft cost, shown beside the measured speedup.
+
+Throughput against per-user speed. Per task, each (drafter, k) cell at batch size b is
+the point (per-user speed = 1 / mean TPOT: the tokens per second one request sees after
+its first token, at the cell's mean time per output token; output throughput of the cell),
+and the baseline's cells the same; a drafter's line above the baseline's at the same
+per-user speed pays at that operating point.
 """
 from __future__ import annotations
 
@@ -232,6 +254,88 @@ def fit_cost_models(baseline_cells) -> dict[tuple, CostModel]:
         c_tok, n = prefill_slope(prefills.get(key, []))
         models[key] = dataclasses.replace(model, c_tok=c_tok, prefill_points=n)
     return models
+
+
+# ----------------------------------------------------------------------------- break-even
+
+def break_even(model: CostModel, batch_size: int, k: int, draft_cost: float,
+               drafting_share: float = 1.0, drafted_tokens: float | None = None) -> dict:
+    """What a drafter needs to pay at batch size b (see "Break-even map" in the module
+    docstring): {"tokens_per_step": tau*, "acceptance_length": AL* (None when no step
+    drafts), "reachable": whether a step can emit that many, "verify_ratio": t_fwd(b, 1 + d)
+    / t_fwd(b)}. draft_cost is relative to t_fwd(b); drafting_share the share s of decode
+    steps that draft; drafted_tokens what a drafting step drafts on average (default k).
+    ValueError for inputs no drafter can have."""
+    if model is None:
+        raise ValueError("the break-even needs a cost model (a baseline run's cells)")
+    if not (isinstance(batch_size, int) and batch_size >= 1):
+        raise ValueError(f"the batch size must be a whole number >= 1, got {batch_size!r}")
+    if not (isinstance(k, int) and k >= 1):
+        raise ValueError(f"the speculation budget k must be a whole number >= 1, got {k!r}")
+    if not (draft_cost is not None and math.isfinite(draft_cost) and draft_cost >= 0):
+        raise ValueError(f"the draft cost must be a finite number >= 0, got {draft_cost!r}")
+    if not (drafting_share is not None and 0.0 <= drafting_share <= 1.0):
+        raise ValueError(f"the share of drafting steps must be within [0, 1], "
+                         f"got {drafting_share!r}")
+    drafted_tokens = k if drafted_tokens is None else drafted_tokens
+    if not 0.0 < drafted_tokens <= k:
+        raise ValueError(f"a drafting step drafts within (0, k = {k}] tokens, "
+                         f"got {drafted_tokens!r}")
+    t1 = model(batch_size)
+    if not t1 > 0:
+        raise ValueError(f"the cost model gives no positive forward time at b={batch_size}")
+    verify_ratio = model(batch_size, 1 + drafting_share * drafted_tokens) / t1
+    tau = draft_cost + verify_ratio
+    al = 1 + (tau - 1) / drafting_share if drafting_share > 0 else None
+    return {"tokens_per_step": tau, "acceptance_length": al,
+            "reachable": al is not None and al <= 1 + drafted_tokens,
+            "verify_ratio": verify_ratio}
+
+
+def break_even_acceptance(model: CostModel, batch_size: int, k: int,
+                          draft_cost: float) -> float:
+    """The acceptance length (= tokens per step) a drafter that drafts k tokens every step,
+    at draft_cost x t_fwd(b) per step, needs to beat the target alone at batch size b."""
+    return break_even(model, batch_size, k, draft_cost)["tokens_per_step"]
+
+
+def break_even_curve(model: CostModel, batch_size: int, k: int, draft_costs) -> list[dict]:
+    """[{"draft_cost", "tokens_per_step"}] of break_even_acceptance over draft_costs (sorted),
+    up to where it reaches k + 1 tokens per step (no drafter at k pays beyond): the last
+    point is that draft cost when the range goes past it."""
+    out = []
+    for cost in sorted(draft_costs):
+        tau = break_even_acceptance(model, batch_size, k, cost)
+        if tau > k + 1:
+            ceiling = k + 1 - break_even_acceptance(model, batch_size, k, 0.0)
+            if ceiling >= 0 and (not out or out[-1]["draft_cost"] < ceiling):
+                out.append({"draft_cost": ceiling, "tokens_per_step": float(k + 1)})
+            break
+        out.append({"draft_cost": cost, "tokens_per_step": tau})
+    return out
+
+
+def place_on_map(a: dict, model: CostModel | None) -> dict:
+    """An analysed cell (analyse_cell) on the break-even map: its own tau* and AL* (its share
+    of drafting steps and drafted tokens), and map_speedup = tau / tau*. Nones where the
+    cell has no draft cost, tokens per step or cost model."""
+    out = {"break_even_tokens_per_step": None, "break_even_acceptance_length": None,
+           "map_speedup": None, "drafting_share": None, "drafted_per_drafting_step": None}
+    tau, cost, steps = a.get("tokens_per_step"), a.get("draft_cost_relative"), a.get("steps")
+    if model is None or tau is None or cost is None or not steps:
+        return out
+    verify = a.get("verify_steps") or 0
+    drafted = min(a["drafted_tokens"] / verify, a["k"]) if verify and a.get("drafted_tokens") \
+        else None
+    try:
+        be = break_even(model, a["batch_size"], a["k"], max(cost, 0.0),
+                        drafting_share=verify / steps, drafted_tokens=drafted)
+    except ValueError:
+        return out
+    return {"break_even_tokens_per_step": be["tokens_per_step"],
+            "break_even_acceptance_length": be["acceptance_length"],
+            "map_speedup": tau / be["tokens_per_step"], "drafting_share": verify / steps,
+            "drafted_per_drafting_step": drafted if drafted is not None else a["k"]}
 
 
 # ----------------------------------------------------------------------------- requests
@@ -413,7 +517,9 @@ def analyse_cell(cell: dict, model: CostModel | None, method: str | None = None,
     "predicted_time", "no_waste_time", "oracle_time", "measured_speedup",
     "predicted_speedup", "engine_efficiency", "efficiency_note", "oracle_speedup",
     "oracle_tokens_per_step", "no_waste_speedup", "measured_above_oracle",
-    "verification_capped", "wall_vs_requests", "aligned"} (see the module docstring)."""
+    "verification_capped", "wall_vs_requests", "aligned", "break_even_tokens_per_step",
+    "break_even_acceptance_length", "map_speedup", "drafting_share",
+    "drafted_per_drafting_step"} (see the module docstring)."""
     records = cell.get("records") or []
     b, k = cell["batch_size"], cell["k"]
     reqs = [request_steps(r, k) for r in records]
@@ -469,7 +575,9 @@ def analyse_cell(cell: dict, model: CostModel | None, method: str | None = None,
                        engine_efficiency=None, oracle_speedup=None,
                        oracle_tokens_per_step=None, no_waste_speedup=None,
                        draft_cost_relative=None, prefill_seconds=None, baseline_time=None,
-                       predicted_time=None, no_waste_time=None, oracle_time=None)
+                       predicted_time=None, no_waste_time=None, oracle_time=None,
+                       break_even_tokens_per_step=None, break_even_acceptance_length=None,
+                       map_speedup=None, drafting_share=None, drafted_per_drafting_step=None)
             return out
 
         def fwd(q):
@@ -524,6 +632,7 @@ def analyse_cell(cell: dict, model: CostModel | None, method: str | None = None,
     out["measured_above_oracle"] = bool(measured is not None and oracle is not None
                                         and measured > oracle)
     out["efficiency_note"] = efficiency_note(out, method)
+    out.update(place_on_map(out, model))
     return out
 
 

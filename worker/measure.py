@@ -52,7 +52,8 @@ from typing import Iterator
 
 from worker.cell import (FIGURE_KEYS, CellResult, PromptItem, cell_result,  # noqa: F401
                          measure_pass, request_seed, request_spec_counts, run_concurrent)
-from worker.methods import (check_supported, speculative_config, validate_drafter_files)
+from worker.methods import (check_supported, speculative_config, synthetic_acceptance_config,
+                            validate_drafter_files)
 from worker.protocol import MULTI_TURN_FIRST_TURN, Cell, ProtocolSpec
 
 
@@ -70,6 +71,9 @@ class MeasureJob:
     drafter: DrafterSpec
     prompts: dict[str, list[PromptItem]]   # task name -> the protocol's prompts
     skip: frozenset = frozenset()          # Cell.key tuples already measured
+    # vLLM's synthetic acceptance at this mean AL for every k (a calibration of the
+    # break-even map, GPU only: worker.methods.synthetic_acceptance_config)
+    synthetic_acceptance_length: float | None = None
 
 
 # --------------------------------------------------------------------------- engine info
@@ -84,6 +88,10 @@ def _speculative_configs(job) -> dict:
     if job.drafter.method == "baseline":
         return {0: None}
     configs = {k: speculative_config(job.drafter, k) for k in job.spec.ks}
+    if job.synthetic_acceptance_length is not None:
+        configs = {k: synthetic_acceptance_config(c, job.synthetic_acceptance_length,
+                                                  job.spec.hardware)
+                   for k, c in configs.items()}
     return {0: None, **configs} if is_paired(job) else configs
 
 
@@ -387,6 +395,10 @@ def add_cli_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--resume", action="store_true",
                         help="keep the cells already in OUT/cells.json and measure the rest")
+    parser.add_argument("--synthetic-acceptance-length", type=float, default=None,
+                        metavar="AL", help="GPU only: vLLM's synthetic acceptance at this mean "
+                        "acceptance length (a calibration of the break-even map; the outputs "
+                        "are not the target's)")
 
 
 def parse_drafter(text: str, params: list[str]) -> DrafterSpec:
@@ -436,7 +448,8 @@ def cli(args) -> int:
     elif requests_path.exists():
         requests_path.unlink()
     skip = frozenset((r["task"], r["batch_size"], float(r["temperature"]), r["k"]) for r in rows)
-    job = MeasureJob(spec, str(args.target), drafter, prompts, skip)
+    job = MeasureJob(spec, str(args.target), drafter, prompts, skip,
+                     getattr(args, "synthetic_acceptance_length", None))
     try:
         total = len(measurement_order(job))
         done, t0 = 0, time.monotonic()

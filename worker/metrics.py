@@ -239,6 +239,12 @@ def tpot(latency: float, ttft: float, output_tokens: int):
     return (latency - ttft) / (output_tokens - 1) if output_tokens > 1 else None
 
 
+def per_user_speed(tpot_mean):
+    """Per-user speed: the output tokens per second one request sees after its first token,
+    1 / the cell's mean TPOT (None without one)."""
+    return 1.0 / tpot_mean if tpot_mean else None
+
+
 def speedup(throughput, baseline_throughput):
     """Speedup = output throughput with the drafter / output throughput of the baseline run
     (no speculation) under the same protocol, task, batch size, temperature, engine version

@@ -117,6 +117,72 @@ class CombineOut(Out):
                                                           "requests")
 
 
+class MapCurvePointOut(Out):
+    draft_cost: float = Field(description="draft cost per step / t_fwd(b)")
+    tokens_per_step: float = Field(description="tokens per step needed to break even")
+
+
+class MapCurveOut(Out):
+    batch_size: int = Field(description="batch size")
+    k: int = Field(description="speculation budget")
+    points: list[MapCurvePointOut] = Field(description="the break-even line (ends where it "
+                                                       "reaches k + 1 tokens per step)")
+
+
+class MapPointOut(Out):
+    drafter: DrafterRefOut = Field(description="the drafter")
+    task: str = Field(description="task")
+    batch_size: int = Field(description="batch size")
+    k: int = Field(description="speculation budget")
+    draft_cost: float = Field(description="its fitted draft cost per step / t_fwd(b)")
+    tokens_per_step: Optional[float] = Field(description="measured decode tokens per step")
+    acceptance_length: Optional[float] = Field(description="measured AL")
+    break_even_tokens_per_step: float = Field(description="what it needs to pay (its own "
+                                                           "share of drafting steps)")
+    break_even_acceptance_length: Optional[float] = Field(description="the AL it needs")
+    map_speedup: float = Field(description="tokens per step / break-even (decode only)")
+    drafting_share: float = Field(description="share of its decode steps that drafted")
+    drafts_every_step: bool = Field(description="every step drafted k tokens")
+    speedup: Optional[float] = Field(description="measured speedup of the cell")
+    speedup_low: Optional[float] = Field(description="its 95% interval, low")
+    speedup_high: Optional[float] = Field(description="its 95% interval, high")
+
+
+class MapTaskOut(Out):
+    task: str = Field(description="task")
+    curves: list[MapCurveOut] = Field(description="break-even per batch size and k")
+    cost_model: dict = Field(description="the cost model the curves come from")
+    points: list[MapPointOut] = Field(description="the measured cells on the map")
+
+
+class BreakEvenMapOut(Out):
+    baseline_run_id: Optional[int] = Field(description="the baseline run the curves' cost "
+                                                       "model is fitted on")
+    tasks: list[MapTaskOut] = Field(description="one map per task")
+
+
+class OperatingPointOut(Out):
+    batch_size: int = Field(description="batch size")
+    per_user_speed: Optional[float] = Field(description="1 / mean TPOT (tokens / s)")
+    output_throughput: Optional[float] = Field(description="output tokens / s of the cell")
+    output_throughput_low: Optional[float] = Field(description="its 95% interval, low")
+    output_throughput_high: Optional[float] = Field(description="its 95% interval, high")
+    speedup: Optional[float] = Field(description="measured speedup (null: baseline)")
+
+
+class OperatingLineOut(Out):
+    drafter: Optional[DrafterRefOut] = Field(description="the drafter; null: a baseline")
+    k: int = Field(description="speculation budget (0: baseline)")
+    task: str = Field(description="task")
+    run_id: Optional[int] = Field(description="the baseline run (baseline lines)")
+    points: list[OperatingPointOut] = Field(description="by batch size")
+
+
+class OperatingOut(Out):
+    drafters: list[OperatingLineOut] = Field(description="per drafter, k and task")
+    baselines: list[OperatingLineOut] = Field(description="per baseline run and task")
+
+
 class ProtocolAnalysisOut(Out):
     protocol: ProtocolSummaryOut = Field(description="the protocol")
     temperature: float = Field(description="the temperature of every figure here")
@@ -130,6 +196,9 @@ class ProtocolAnalysisOut(Out):
     pareto: list[ParetoOut] = Field(description="acceptance against draft cost")
     combine: list[CombineOut] = Field(description="oracle combination across drafters "
                                                   "(temperature 0)")
+    map: BreakEvenMapOut = Field(description="the break-even map per task, with the "
+                                             "measured cells on it")
+    operating: OperatingOut = Field(description="throughput against per-user speed")
     definitions: list[tuple[str, str]] = Field(description="(name, definition) of each "
                                                            "figure")
     has_records: bool = Field(description="whether any run has raw records")

