@@ -61,3 +61,19 @@ def test_demo_protocol_v2_is_paired_stratified_with_repetitions_and_keeps_v1(dem
     assert (v1.version, v1.spec_obj.baseline, v1.spec_obj.repetitions) == (1, "shared", 1)
     assert setup.setup_demo(progress=lambda m: None)["protocol"].pk == v2.pk
     assert Protocol.objects.filter(slug=v2.slug).count() == 2
+
+
+@pytest.mark.django_db
+def test_acceptance_protocol_is_the_demo_at_batch_8_largest_k_one_pass(demo_target_dir):
+    call_command("setup_demo")
+    assert not Protocol.objects.filter(slug="demo-cpu-acceptance").exists()   # make run: none
+    call_command("setup_demo", "--acceptance-protocol")
+    call_command("setup_demo", "--acceptance-protocol")
+    demo = Protocol.objects.get(slug="demo-cpu").spec_obj
+    check = Protocol.objects.get(slug="demo-cpu-acceptance")
+    spec = check.spec_obj
+    assert (spec.batch_sizes, spec.ks, spec.repetitions, spec.version) == ((8,), (4,), 1, 1)
+    # The same prompts, sampling and pairing as the demo protocol: comparable acceptance.
+    assert (spec.tasks, spec.temperatures, spec.max_new_tokens, spec.seed, spec.baseline) == (
+        demo.tasks, demo.temperatures, demo.max_new_tokens, demo.seed, demo.baseline)
+    assert check.sha256 != Protocol.objects.get(slug="demo-cpu").sha256

@@ -2,6 +2,8 @@
 sets, protocol, n-gram drafter, its first runs)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pathlib import Path
 
 from django.conf import settings
@@ -123,6 +125,26 @@ def demo_protocol_spec(target: Target, prompt_sets: dict, prompts_per_task=None)
         temperatures=(0.0,), max_new_tokens=128, seed=0, batch_sizes=batch_sizes, ks=(2, 4),
         warmup_requests=2, repetitions=3, baseline="paired",
     )
+
+
+ACCEPTANCE_PROTOCOL_SLUG = "demo-cpu-acceptance"
+
+
+def acceptance_protocol_spec(demo: ProtocolSpec) -> ProtocolSpec:
+    """A cheap companion of the demo protocol for learning curves: the same target, tasks,
+    prompts and sampling, one batch size (8: its 8 prompts go in one round), the largest k
+    and one pass. Acceptance length and tokens per step are counts, the same at any batch
+    size under greedy decoding; its speedups are one pass at batch 8, not the demo's."""
+    return replace(demo, slug=ACCEPTANCE_PROTOCOL_SLUG, version=1, batch_sizes=(8,),
+                   ks=(max(demo.ks),), repetitions=1)
+
+
+def ensure_acceptance_protocol(rows) -> Protocol:
+    """The learning-curve protocol next to the demo one (``setup_demo --acceptance-protocol``)."""
+    protocol, _ = ensure_protocol(acceptance_protocol_spec(rows["protocol"].spec_obj),
+                                  rows["target"],
+                                  title="Acceptance check for learning curves (CPU, batch 8, k 4)")
+    return protocol
 
 
 def setup_demo(progress=print, prompts_per_task=None):

@@ -1,6 +1,6 @@
 from django.core.management.base import BaseCommand
 
-from leaderboard.services.setup import queue_demo_runs, setup_demo
+from leaderboard.services.setup import ensure_acceptance_protocol, queue_demo_runs, setup_demo
 
 
 class Command(BaseCommand):
@@ -14,10 +14,16 @@ class Command(BaseCommand):
         parser.add_argument("--queue-runs", action="store_true",
                             help="queue the baseline and each demo drafter that has no run yet "
                                  "under the demo protocol (make run does this)")
+        parser.add_argument("--acceptance-protocol", action="store_true",
+                            help="also create demo-cpu-acceptance: the demo's tasks and prompts "
+                                 "at batch size 8, the largest k, one pass (learning curves)")
 
-    def handle(self, *args, prompts_per_task=None, queue_runs=False, **options):
+    def handle(self, *args, prompts_per_task=None, queue_runs=False, acceptance_protocol=False,
+               **options):
         say = lambda m: self.stdout.write(f"[setup_demo] {m}")  # noqa: E731
         rows = setup_demo(progress=say, prompts_per_task=prompts_per_task)
+        if acceptance_protocol:
+            say(f"protocol {ensure_acceptance_protocol(rows)}: for learning curves")
         if queue_runs:
             for run in queue_demo_runs(rows):
                 who = run.drafter.name if run.drafter_id else "baseline"
