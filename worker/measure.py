@@ -52,8 +52,8 @@ from typing import Iterator
 
 from worker.cell import (FIGURE_KEYS, CellResult, PromptItem, cell_result,  # noqa: F401
                          measure_pass, request_seed, request_spec_counts, run_concurrent)
-from worker.methods import (check_supported, speculative_config, synthetic_acceptance_config,
-                            validate_drafter_files)
+from worker.methods import (check_supported, drafter_engine_args, speculative_config,
+                            synthetic_acceptance_config, validate_drafter_files)
 from worker.protocol import MULTI_TURN_FIRST_TURN, Cell, ProtocolSpec
 
 
@@ -107,6 +107,8 @@ def engine_info(job) -> dict:
         "hardware_description": ve.hardware_description(job.spec.hardware),
         "engine_args": ve.resolve_engine_args(job.spec, job.target_path),
         "engine_env": ve.engine_env(job.spec.hardware),
+        # What the drafter's engines take on top of engine_args (worker/methods).
+        "drafter_engine_args": drafter_engine_args(job.drafter),
         "speculative_configs": {str(k): v for k, v in _speculative_configs(job).items()},
         "per_request_spec_decode_metrics": "none" if job.drafter.method == "baseline"
         else "detailed",
@@ -231,6 +233,7 @@ class _Engines:
         self._cls, self.job, self.loop, self.log = VllmEngine, job, loop, log
         self.configs = _speculative_configs(job)
         self.args, self.warm_ids = info["engine_args"], warm_ids
+        self.drafter_args = info["drafter_engine_args"]
         self.alive: dict = {}
 
     def need(self, ks):
@@ -243,7 +246,8 @@ class _Engines:
             what = f"{self.job.drafter.method} k={k}" if k else "the baseline"
             self.log(f"starting vLLM for {what} ...")
             t0 = time.monotonic()
-            engine = self._cls(self.args, self.configs[k], spec.hardware)
+            args = {**self.args, **self.drafter_args} if k else self.args
+            engine = self._cls(args, self.configs[k], spec.hardware)
             self.alive[k] = engine
             self.loop.run_until_complete(engine.start())
             self.loop.run_until_complete(_warm_up(engine, spec, self.warm_ids, f"k{k}"))

@@ -263,6 +263,8 @@ def record_started(run: Run, info: dict):
     # of how it ran: kept with its arguments, under "environment".
     run.engine_args = {**info.get("engine_args", {}),
                        "environment": info.get("engine_env", {})}
+    if info.get("drafter_engine_args"):
+        run.engine_args["drafter_engines"] = info["drafter_engine_args"]
     run.save(update_fields=["engine_version", "versions", "hardware_description", "engine_args"])
     if run.engine_version and needs_shared_baseline(run.protocol, run.drafter, run.engine_version):
         queue_run(run.protocol, None)

@@ -119,6 +119,14 @@ def synthetic_acceptance_config(config: dict | None, acceptance_length: float,
             "synthetic_acceptance_length": float(acceptance_length)}
 
 
+def drafter_engine_args(drafter) -> dict:
+    """Engine arguments the drafter's engines take on top of the protocol's ({}: none)."""
+    method = REGISTRY.get(drafter.method)
+    if method is None or method.engine_args is None:
+        return {}
+    return method.engine_args(drafter) or {}
+
+
 def validate_drafter_files(drafter) -> None:
     """Pre-flight check of a drafter checkpoint folder before an engine loads it: the folder,
     a readable config.json and complete safetensors files. Fast (reads headers only);

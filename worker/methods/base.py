@@ -44,6 +44,8 @@ class Method:
       registry must not), None where only vLLM runs the method.
     - ``draft_cost``: drafting takes time of its own in the cost model of "When does it
       pay?" (prompt lookup's does not count).
+    - ``engine_args(drafter)``: engine arguments a drafter's engines need besides the
+      protocol's (a workaround for this vLLM version; recorded with the run), or None.
     """
 
     name: str
@@ -58,6 +60,7 @@ class Method:
     cpu_refusal: str = ""
     params: tuple[str, ...] = WEIGHTED_PARAMS
     draft_cost: bool = True
+    engine_args: Callable | None = None
 
     def proposer_class(self):
         from worker import proposers

