@@ -5,7 +5,8 @@ from leaderboard.services.setup import queue_demo_runs, setup_demo
 
 class Command(BaseCommand):
     help = ("Create the demo target (SmolLM2-135M from PyPI, converted once), the MT-Bench and "
-            "HumanEval prompt sets, the demo protocol and the n-gram drafter. Idempotent.")
+            "HumanEval prompt sets, the demo protocol, the n-gram drafter and the trained "
+            "drafters shipped in drafters/ (SPECBOARD_SHIPPED_DRAFTERS_DIR). Idempotent.")
 
     def add_arguments(self, parser):
         parser.add_argument("--prompts-per-task", type=int, default=None,
@@ -13,11 +14,16 @@ class Command(BaseCommand):
                                  "(default SPECBOARD_DEMO_PROMPTS_PER_TASK or 8; at least the largest batch size)")
         parser.add_argument("--queue-runs", action="store_true",
                             help="queue the baseline and each demo drafter that has no run yet "
-                                 "under the demo protocol (make run does this)")
+                                 "under the demo protocol, the n-gram drafter first, then the "
+                                 "shipped ones (make run does this)")
 
     def handle(self, *args, prompts_per_task=None, queue_runs=False, **options):
         say = lambda m: self.stdout.write(f"[setup_demo] {m}")  # noqa: E731
         rows = setup_demo(progress=say, prompts_per_task=prompts_per_task)
+        # A refused shipped drafter stops nothing else (the site still starts): it is named,
+        # with what to fix, on stderr.
+        for folder, message in rows["shipped"].refused:
+            self.stderr.write(self.style.ERROR(f"[setup_demo] shipped drafter {folder} refused: {message}"))
         if queue_runs:
             for run in queue_demo_runs(rows):
                 who = run.drafter.name if run.drafter_id else "baseline"
