@@ -84,6 +84,10 @@ def row_cells(html, drafter_name):
 @pytest.mark.django_db
 def test_recipe_page_lists_every_recipe_and_each_drafters_figures(client, curves):
     protocol = curves["protocol"]
+    # Decode steps as a worker records them (steps that drafted nothing included).
+    for r in Result.objects.filter(run__drafter=curves["eagle_large"]):
+        r.decode_tokens, r.decode_steps = r.generated_tokens, r.drafts + 7 * r.batch_size
+        r.save(update_fields=["decode_tokens", "decode_steps"])
     response = client.get(reverse("recipes"))
     assert response.status_code == 200
     html = response.content.decode()
@@ -97,6 +101,8 @@ def test_recipe_page_lists_every_recipe_and_each_drafters_figures(client, curves
     for cells, task in ((rows[0][6:], "chat"), (rows[1], "code")):
         assert cells[0] == task
         assert cells[1].startswith(f"{expected_al(curves['eagle_large'], protocol, task):.2f}")
+        mine = Result.objects.filter(run__drafter=curves["eagle_large"], task=task, k=4)
+        assert cells[2] == f"{metrics.tokens_per_step(sum(r.decode_tokens for r in mine), sum(r.decode_steps for r in mine)):.2f}"
         for b, text in ((1, cells[3]), (8, cells[4])):
             stored = Result.objects.get(run__drafter=curves["eagle_large"], task=task,
                                         batch_size=b, k=4).speedup
