@@ -13,12 +13,14 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 DEMO_PORT ?= 7860
 
-# make demo-drafters: the shared training data of the demo target and the four baseline recipes.
-DEMO_TRAIN_N ?= 128
+# make demo-drafters: the demo target's shared training data (written by vLLM) and the
+# recipes of the shipped demo drafters; make ship-drafters copies them into drafters/.
+DEMO_TRAIN_N ?= 1024
+DEMO_TRAIN_DATA ?= demo-chat-1k
 DEMO_TRAIN_SEED ?= 0
-DEMO_RECIPES := draft_model eagle eagle_multistep medusa
+DEMO_RECIPES ?= eagle medusa_reduced_vocab
 
-.PHONY: install run test migrate setup-demo worker web demo clean-var demo-drafters system-packages
+.PHONY: install run test migrate setup-demo worker web demo clean-var demo-drafters ship-drafters system-packages
 
 # Debian packages the project uses: Chromium for the browser tests, tcmalloc for the vLLM
 # CPU engine (vLLM's CPU docs ask for it preloaded; the worker preloads it when present).
@@ -69,16 +71,25 @@ setup-demo: migrate
 run: setup-demo
 	$(PY) -m leaderboard.runall --host $(HOST) --port $(PORT) --demo-port $(DEMO_PORT)
 
-# Not part of `make run`: about an hour on 2 cores. Idempotent: existing data and drafters
-# are reused, so an interrupted run can be started again.
+# Not part of `make run`: hours on 2 cores. Idempotent: existing data and drafters (trained
+# here, or shipped in drafters/ after training on the same data) are reused, and an
+# interrupted generation or training continues, so it can be started again.
 demo-drafters: migrate
 	$(PY) manage.py setup_demo
-	$(PY) manage.py make_training_data --target smollm2-135m-instruct --slug demo-chat \
-		--n $(DEMO_TRAIN_N) --seed $(DEMO_TRAIN_SEED) --batch-size 32 --skip-existing
+	$(PY) manage.py make_training_data --target smollm2-135m-instruct --slug $(DEMO_TRAIN_DATA) \
+		--n $(DEMO_TRAIN_N) --seed $(DEMO_TRAIN_SEED) --skip-existing
 	for recipe in $(DEMO_RECIPES); do \
 		$(PY) manage.py train_drafter --recipe $$recipe --target smollm2-135m-instruct \
-			--data demo-chat --protocol demo-cpu --seed $(DEMO_TRAIN_SEED) --skip-existing \
+			--data $(DEMO_TRAIN_DATA) --protocol demo-cpu --seed $(DEMO_TRAIN_SEED) --skip-existing \
 			--resume-if-any || exit 1; \
+	done
+
+# Copy the demo drafters (trained by demo-drafters) into drafters/, which setup_demo
+# registers on every machine; a folder already holding them is left as it is.
+ship-drafters: migrate
+	for recipe in $(DEMO_RECIPES); do \
+		$(PY) manage.py ship_drafter --recipe $$recipe --data $(DEMO_TRAIN_DATA) \
+			--seed $(DEMO_TRAIN_SEED) $(SHIP_FLAGS) || exit 1; \
 	done
 
 web: migrate

@@ -545,3 +545,65 @@ def drafter_pays_charts(pays: dict, k: int, temperature: float) -> dict[str, str
             f"Where the time goes ({cond})", "batch size", "share of time", barmode="stack",
             yaxis=dict(range=[0, 1.0001]))
     return figs
+
+
+# ---- the recipe page ----------------------------------------------------------------------
+
+def _recipe_line(recipe: dict, i: int, xs, ys, entries, figures, x_label):
+    """One recipe's drafters as a line (sorted by x); a drafter whose run still measures
+    gets an open marker and says so on hover."""
+    pts = sorted(((x, y, e, f) for x, y, e, f in zip(xs, ys, entries, figures)
+                  if x is not None and y is not None), key=lambda p: (p[0], p[1]))
+    if not pts:
+        return None
+    trace = _line(recipe["name"], [p[0] for p in pts], [p[1] for p in pts], i,
+                  error=_error_bars([p[3] for p in pts], "acceptance_length"))
+    trace.update(
+        marker=dict(size=9, symbol=["circle-open" if p[2]["run"]["measuring"] else "circle"
+                                    for p in pts]),
+        text=[p[2]["drafter"]["name"] + (" (measuring)" if p[2]["run"]["measuring"] else "")
+              for p in pts],
+        customdata=[[p[2]["training"]["data_answer_tokens"], p[3].get("tokens_per_step")]
+                    for p in pts],
+        hovertemplate="%{text}<br>" + x_label + " %{x}<br>AL %{y:.3f}<br>answer tokens %{customdata[0]}"
+                      "<br>tokens / step %{customdata[1]:.3f}<extra></extra>")
+    return trace
+
+
+def recipe_charts(page: dict) -> dict[str, str]:
+    """The recipe page's learning curves: per task, acceptance length against the training
+    data's conversations (log x), one line per recipe; and acceptance length over all
+    tasks against training time (log x). Error bars: the AL's 95% interval where measured."""
+    if not page["entries"]:
+        return {}
+    k, temperature = page["k"], page["temperature"]
+    scope = f"k = {k}, temperature {temperature:g}, pooled over batch sizes"
+    sizes = sorted({e["training"]["data_conversations"] for e in page["entries"]
+                    if e["training"]["data_conversations"]})
+    figs = {}
+    for t_i, task in enumerate(page["tasks"]):
+        traces = []
+        for i, r in enumerate(page["recipes"]):
+            es = r["entries"]
+            trace = _recipe_line(r, i, [e["training"]["data_conversations"] for e in es],
+                                 [e["tasks"][task]["acceptance_length"] for e in es], es,
+                                 [e["tasks"][task] for e in es], "conversations")
+            if trace is not None:
+                traces.append(trace)
+        figs[f"al_task_{t_i}"] = _figure(
+            traces, f"{plain(task)}: acceptance length against training data ({scope})",
+            "training data: conversations (log scale)", "acceptance length (corrected)",
+            xaxis=dict(type="log", tickvals=sizes, ticktext=[str(s) for s in sizes]))
+    traces = []
+    for i, r in enumerate(page["recipes"]):
+        es = r["entries"]
+        trace = _recipe_line(r, i, [e["training"]["seconds"] for e in es],
+                             [e["all"]["acceptance_length"] for e in es], es, [e["all"] for e in es],
+                             "training seconds")
+        if trace is not None:
+            traces.append(trace)
+    figs["al_time"] = _figure(
+        traces, f"All tasks: acceptance length against training time ({scope})",
+        "training time: seconds (log scale)", "acceptance length (corrected)",
+        xaxis=dict(type="log"))
+    return figs

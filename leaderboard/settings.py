@@ -9,6 +9,9 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("SPECBOARD_VAR_DIR", str(BASE_DIR / "var")))
 # Cache for demo assets (the converted demo target, package files).
 DATA_DIR = Path(env_str("SPECBOARD_DATA_DIR", str(VAR_DIR / "data")))
+# Trained drafters shipped with the repository (config.json + model.safetensors +
+# training.json per folder); setup_demo registers them (leaderboard/services/shipping.py).
+SHIPPED_DRAFTERS_DIR = Path(env_str("SPECBOARD_SHIPPED_DRAFTERS_DIR", str(BASE_DIR / "drafters")))
 
 # DEBUG is off unless asked for (DEBUG=1): its error pages show source, settings and URLs.
 DEBUG = env_bool("DEBUG", default=False)

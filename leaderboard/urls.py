@@ -38,6 +38,7 @@ urlpatterns = [
     path("protocols/", views.protocol_list, name="protocols"),
     path("protocols/<slug:slug>/v<id:version>/", views.protocol_detail, name="protocol"),
     path("protocols/<slug:slug>/v<id:version>/pays/", views.protocol_pays, name="protocol_pays"),
+    path("recipes/", views.recipes, name="recipes"),
     path("accounts/signup/", views.signup, name="signup"),
     path("accounts/login/", reduce(lambda view, limit: limit(view), views.login_throttle,
                                    auth_views.LoginView.as_view()), name="login"),

@@ -27,6 +27,7 @@ from worker.checkpoint import Upload
 
 from . import charts, pays, permissions, tokens
 from .selectors import accounts, board, drafters, protocols, shapes
+from .selectors import recipes as recipe_reads
 from .selectors import runs as run_reads
 from .services import submissions
 from .forms import DrafterEditForm, SignupForm, SubmitForm, TokenForm
@@ -449,6 +450,29 @@ def protocol_pays(request, slug, version):
         "weights": [(t, weights[t]) for t in tasks], "batch_size": b_param,
         "rec": rec, "rec_error": rec_error, "temperatures": temps,
         "api_analysis": reverse("api:protocol_analysis", args=[slug, version]),
+    })
+
+
+# ---- recipes --------------------------------------------------------------------------------
+
+@require_GET
+def recipes(request):
+    """Every training recipe and its learning curve under one protocol (?protocol=slug@v,
+    default: the newest protocol where recipe-trained drafters have results)."""
+    ref = request.GET.get("protocol")
+    protocol = recipe_reads.recipe_protocol(ref)
+    if ref and protocol is None:
+        raise Http404("no such protocol")
+    temperature = None
+    if protocol is not None:
+        temperature = _float(request.GET.get("temperature"),
+                             [float(t) for t in protocol.spec["temperatures"]])
+    page = recipe_reads.recipe_page(protocol, temperature)
+    figs = charts.recipe_charts(page)
+    return render(request, "leaderboard/recipes.html", {
+        "page": page, "p": page["protocol"], "figs": figs, "has_charts": bool(figs),
+        "task_figs": [(key, f) for key, f in figs.items() if key.startswith("al_task_")],
+        "protocols": recipe_reads.recipe_protocols(),
     })
 
 

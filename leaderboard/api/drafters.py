@@ -37,8 +37,16 @@ class TrainingOut(Out):
     data_sha256: str = Field(description="sha256 of the training data file")
     seed: Optional[int] = Field(description="training seed")
     seconds: Optional[float] = Field(description="training time in seconds")
+    data_conversations: Optional[int] = Field(description="conversations in the training data")
+    data_tokens: Optional[int] = Field(description="tokens in the training data")
+    data_answer_tokens: Optional[int] = Field(description="answer tokens in the training data "
+                                              "(the tokens the losses are computed on)")
+    data_seconds: Optional[float] = Field(description="seconds the target took to write the data")
     steps: Optional[int] = Field(description="optimizer steps")
+    first_loss: Optional[float] = Field(description="mean loss of the first tenth of the steps")
     final_loss: Optional[float] = Field(description="mean loss of the last tenth of the steps")
+    shipped: Optional[str] = Field(description="the shipped drafter's folder it was registered "
+                                   "from (drafters/ in the repository), if any")
 
 
 class DrafterOut(Out):

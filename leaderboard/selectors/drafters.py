@@ -48,7 +48,7 @@ def drafter_overview(slug: str, protocol_ref: str | None = None) -> dict | None:
     Returns {"drafter", "files", "runs", "protocols", "protocol", "protocol_json", "run",
     "remeasuring" (a newer running run of the shown succeeded one, or None)};
     "_run" and "_protocol" hold the model instances for `drafter_results`."""
-    d = Drafter.objects.select_related("owner", "target").filter(slug=slug).first()
+    d = Drafter.objects.select_related("owner", "target", "training_data").filter(slug=slug).first()
     if d is None:
         return None
     files = list(d.files.order_by("name").values("name", "size", "sha256"))

@@ -178,15 +178,34 @@ def fast_url(name: str, value, placeholder: str = "9876543210") -> str:
     return _url_pattern(name, placeholder).replace(placeholder, str(value), 1)
 
 
+# The training data's figures as a drafter records them: from its TrainingDataset row, or
+# for a shipped drafter whose data were written on another machine, from its training
+# details (the figures of its training.json, leaderboard/services/shipping.py).
+DATA_FIGURES = ("data_slug", "data_version", "data_conversations", "data_tokens",
+                "data_answer_tokens", "data_seconds")
+
+
+def training_data_figures(d: Drafter) -> dict:
+    """{data_slug, data_version, data_sha256, data_conversations, data_tokens,
+    data_answer_tokens, data_seconds} of a trained drafter (None where unknown)."""
+    data = d.training_data  # select_related by list callers
+    if data is not None:
+        stats = (data.params or {}).get("stats") or {}
+        return {"data_slug": data.slug, "data_version": data.version,
+                "data_sha256": data.sha256, "data_conversations": data.n,
+                "data_tokens": data.tokens, "data_answer_tokens": stats.get("answer_tokens"),
+                "data_seconds": stats.get("seconds")}
+    details = d.training_details or {}
+    return {**{k: details.get(k) for k in DATA_FIGURES}, "data_sha256": d.training_data_sha256}
+
+
 def training_summary(d: Drafter) -> dict | None:
-    """How a baseline drafter was trained here (leaderboard/services/training.py); None otherwise."""
+    """How a baseline drafter was trained (here, or shipped with the repository:
+    leaderboard/services/training.py, shipping.py); None otherwise."""
     if not d.trained_by_recipe:
         return None
-    data = d.training_data  # select_related by list callers
     details = d.training_details or {}
-    return {"recipe": d.trained_by_recipe, "data_slug": data.slug if data else None,
-            "data_version": data.version if data else None,
-            "data_sha256": d.training_data_sha256, "seed": d.training_seed,
-            "seconds": d.training_seconds, "steps": details.get("steps"),
-            "final_loss": details.get("final_loss")}
-
+    return {"recipe": d.trained_by_recipe, **training_data_figures(d),
+            "seed": d.training_seed, "seconds": d.training_seconds,
+            "steps": details.get("steps"), "first_loss": details.get("first_loss"),
+            "final_loss": details.get("final_loss"), "shipped": details.get("shipped")}

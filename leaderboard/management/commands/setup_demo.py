@@ -5,7 +5,8 @@ from leaderboard.services.setup import ensure_acceptance_protocol, queue_demo_ru
 
 class Command(BaseCommand):
     help = ("Create the demo target (SmolLM2-135M from PyPI, converted once), the MT-Bench and "
-            "HumanEval prompt sets, the demo protocol and the n-gram drafter. Idempotent.")
+            "HumanEval prompt sets, the demo protocol, the n-gram drafter and the trained "
+            "drafters shipped in drafters/ (SPECBOARD_SHIPPED_DRAFTERS_DIR). Idempotent.")
 
     def add_arguments(self, parser):
         parser.add_argument("--prompts-per-task", type=int, default=None,
@@ -13,7 +14,8 @@ class Command(BaseCommand):
                                  "(default SPECBOARD_DEMO_PROMPTS_PER_TASK or 8; at least the largest batch size)")
         parser.add_argument("--queue-runs", action="store_true",
                             help="queue the baseline and each demo drafter that has no run yet "
-                                 "under the demo protocol (make run does this)")
+                                 "under the demo protocol, the n-gram drafter first, then the "
+                                 "shipped ones (make run does this)")
         parser.add_argument("--acceptance-protocol", action="store_true",
                             help="also create demo-cpu-acceptance: the demo's tasks and prompts "
                                  "at batch size 8, the largest k, one pass (learning curves)")
@@ -22,6 +24,10 @@ class Command(BaseCommand):
                **options):
         say = lambda m: self.stdout.write(f"[setup_demo] {m}")  # noqa: E731
         rows = setup_demo(progress=say, prompts_per_task=prompts_per_task)
+        # A refused shipped drafter stops nothing else (the site still starts): it is named,
+        # with what to fix, on stderr.
+        for folder, message in rows["shipped"].refused:
+            self.stderr.write(self.style.ERROR(f"[setup_demo] shipped drafter {folder} refused: {message}"))
         if acceptance_protocol:
             say(f"protocol {ensure_acceptance_protocol(rows)}: for learning curves")
         if queue_runs:
