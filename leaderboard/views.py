@@ -77,20 +77,41 @@ def _query(request, **changes):
 
 # ---- fragment cache --------------------------------------------------------------------
 
-def cached_fragment(parts, build):
+def cached_fragment(page: tuple, signature, build):
     """The leaderboard table and the drafter page's results are rendered once per state of
-    the data (`parts()` includes the selectors' signatures) and kept in Django's cache for
-    SPECBOARD_PAGE_CACHE_SECONDS (0 = no cache). `build()` returns a dict with "html"."""
+    the data (`signature()`, the selectors' signatures) for each `page` (its parameters) and
+    kept in Django's cache for SPECBOARD_PAGE_CACHE_SECONDS (0 = no cache). `build()`
+    returns a dict with "html".
+
+    When the state changes (a cell lands), one request renders the new state; requests for
+    the same page that come meanwhile get the page's previous rendering, a moment older,
+    rather than all rendering it at once."""
     ttl = settings.SPECBOARD_PAGE_CACHE_SECONDS
     if ttl <= 0:
         return build()
-    key = "fragment:" + hashlib.sha256(repr(parts()).encode()).hexdigest()
+    latest = "fragment-latest:" + hashlib.sha256(repr(page).encode()).hexdigest()
+    key = "fragment:" + hashlib.sha256(repr((page, signature())).encode()).hexdigest()
     value = cache.get(key)
-    if value is None:
+    if value is not None:
+        return value
+    rendering = key + ":rendering"
+    if settings.SPECBOARD_PAGE_CACHE_INCREMENTAL and not cache.add(rendering, True,
+                                                                   FRAGMENT_RENDER_S):
+        previous = cache.get(latest)
+        if previous is not None:
+            return previous
+    try:
         value = build()
-        cache.set(key, {k: v for k, v in value.items() if k == "html" or k.startswith("meta")},
-                    ttl)
+        kept = {k: v for k, v in value.items() if k == "html" or k.startswith("meta")}
+        cache.set_many({key: kept, latest: kept}, ttl)
+    finally:
+        cache.delete(rendering)
     return value
+
+
+# How long other requests may be answered with a page's previous rendering while one
+# renders its new state (then they render it too: the renderer may have died).
+FRAGMENT_RENDER_S = 20
 
 
 def protocol_choices():
@@ -166,8 +187,8 @@ def home(request):
         return {"html": html, "board": table}
 
     fragment = cached_fragment(
-        lambda: ("board", board.leaderboard_signature(protocol), sorted(filters.items()),
-                 page, _board_params(request)), build)
+        ("board", protocol.pk, sorted(filters.items()), page, _board_params(request)),
+        lambda: board.leaderboard_signature(protocol), build)
     ref = shapes.protocol_ref(protocol)
     return render(request, "leaderboard/home.html", {
         "protocol": shapes.protocol_summary(protocol), "board_html": fragment["html"],
@@ -215,8 +236,8 @@ def drafter_detail(request, slug):
     if overview["_run"] is None:
         fragment = build()
     else:
-        fragment = cached_fragment(lambda: ("drafter", drafters.drafter_signature(overview),
-                                            k_param, t_param), build)
+        fragment = cached_fragment(("drafter", overview["_run"].pk, k_param, t_param),
+                                   lambda: drafters.drafter_signature(overview), build)
     manage = permissions.can_manage(request.user, page["drafter"]["owner_id"],
                                     page["drafter"]["review_state"])
     return render(request, "leaderboard/drafter.html", {

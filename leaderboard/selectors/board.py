@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from django.db.models import Count, Max, Q
+from django.db.models import Count, Max, Q, Sum
 
 from ..models import Protocol, Result, Run
-from . import speedups
-from .shapes import (ALL, HIDDEN_REVIEW_STATES, METHOD_LABELS, aggregate_cells, fast_url,
-                     figures_from_sums, protocol_summary, sum_annotations, unprefix)
+from . import run_figures, speedups
+from .shapes import (ALL, HIDDEN_REVIEW_STATES, METHOD_LABELS, fast_url, figures_from_sums,
+                     protocol_summary, sum_annotations, unprefix)
 
 
 SORT_KEYS = ("name", "method", "k", "batch_size", "temperature", "acceptance_length",
@@ -17,6 +17,10 @@ SORT_KEYS = ("name", "method", "k", "batch_size", "temperature", "acceptance_len
              "lossless_share")
 RUN_FIELDS = ("id", "drafter_id", "engine_version", "hardware", "hardware_description",
               "artifact", "queued_at")
+# A group's figures that a row carries beside the common ones (selectors.run_figures).
+GROUP_EXTRA = ("speedup", "speedup_low", "speedup_high", "output_throughput_low",
+               "output_throughput_high", "acceptance_length_low", "acceptance_length_high",
+               "tokens_per_step", "engine_acceptance_length", "baseline_runs", "paired")
 DRAFTER_FIELDS = ("slug", "name", "method", "owner_id", "owner__username", "review_state",
                   "claimed_acceptance_length", "claimed_speedup", "claimed_source")
 
@@ -64,12 +68,21 @@ def _run_values(v: dict, drafter: dict | None) -> dict:
 
 def leaderboard_signature(protocol: Protocol) -> tuple:
     """Changes whenever the runs a leaderboard shows change (a run succeeds, a drafter is
-    withdrawn or approved): for caching. One query."""
-    agg = (Run.objects.filter(protocol=protocol, state=Run.SUCCEEDED)
-           .exclude(drafter__review_state__in=HIDDEN_REVIEW_STATES)
-           .aggregate(n=Count("id"), last=Max("id"), finished=Max("finished_at")))
+    withdrawn or approved) and whenever a cell lands in a running run (pages show running
+    runs' cells as they land; selectors.run_figures keeps the rebuild to that run): for
+    caching. One query."""
+    visible = Q(state__in=[Run.SUCCEEDED, Run.RUNNING]) & ~Q(
+        drafter__review_state__in=HIDDEN_REVIEW_STATES)
+    running = Q(state=Run.RUNNING)
+    agg = (Run.objects.filter(protocol=protocol).filter(visible)
+           .aggregate(n=Count("id", filter=~running), last=Max("id", filter=~running),
+                      finished=Max("finished_at", filter=~running),
+                      running=Count("id", filter=running),
+                      cells=Sum("cells_done", filter=running),
+                      attempts=Sum("attempts", filter=running)))
     return (protocol.pk, protocol.sha256, agg["n"], agg["last"],
-            agg["finished"].isoformat() if agg["finished"] else None)
+            agg["finished"].isoformat() if agg["finished"] else None,
+            agg["running"], agg["cells"], agg["attempts"])
 
 
 def leaderboard(protocol: Protocol, *, task: str | None = None, batch_size: int | None = None,
@@ -99,16 +112,11 @@ def leaderboard(protocol: Protocol, *, task: str | None = None, batch_size: int 
             qs = qs.filter(temperature=temperature)
         return qs
 
-    # Drafter rows: the cells (k > 0) of each drafter's newest succeeded run, each divided
-    # by the baseline cell stored with it (selectors.speedups). Three queries.
-    drafter_ids = [r["id"] for r in drafter_runs]
-    cells_qs = narrowed(Result.objects.filter(run_id__in=drafter_ids, k__gt=0))
-    if k is not None:
-        cells_qs = cells_qs.filter(k=k)
-    by_group = defaultdict(list)
-    for r in cells_qs.order_by("task"):
-        by_group[(r.run_id, r.batch_size, float(r.temperature), r.k)].append(r.as_cell_dict())
-    pinned = speedups.pinned_for([c for cells in by_group.values() for c in cells])
+    # Drafter rows: the groups of each drafter run's cells (k > 0), each divided by the
+    # baseline cells stored with them (selectors.speedups), computed per run and kept
+    # while the run does not change (selectors.run_figures).
+    pieces = run_figures.groups([r["id"] for r in drafter_runs], task=task,
+                                batch_size=batch_size, temperature=temperature, k=k)
 
     def row(run, g, base_thr, extra=None):
         return {
@@ -124,18 +132,10 @@ def leaderboard(protocol: Protocol, *, task: str | None = None, batch_size: int 
         }
 
     rows = []
-    for (run_id, b, t, kk), cells in by_group.items():
-        run = run_by_id[run_id]
-        g = {**aggregate_cells(cells, ("batch_size", "temperature", "k"))[(b, t, kk)],
-             "batch_size": b, "temperature": t, "k": kk}
-        mine = pinned.get(run_id, {})
-        figs = speedups.pooled(cells, mine)
-        base_runs = speedups.baseline_runs_of({speedups.cell_key(c): mine[speedups.cell_key(c)]
-                                               for c in cells if speedups.cell_key(c) in mine})
-        figs["baseline_runs"] = [{"id": i, "url": fast_url("run", i), "same_run": i == run_id}
-                                 for i in base_runs]
-        figs["paired"] = base_runs == [run_id]
-        rows.append(row(run, g, figs.pop("baseline_throughput"), figs))
+    for run in drafter_runs:
+        for g in pieces.get(run["id"], ()):
+            figs = {f: g[f] for f in GROUP_EXTRA}
+            rows.append(row(run, g, g["baseline_throughput"], figs))
 
     # The newest succeeded shared baseline run's cells, for reference (paired protocols
     # have none: each drafter run holds its own).
