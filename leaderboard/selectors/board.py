@@ -15,8 +15,9 @@ from .shapes import (ALL, HIDDEN_REVIEW_STATES, METHOD_LABELS, fast_url, figures
 SORT_KEYS = ("name", "method", "k", "batch_size", "temperature", "acceptance_length",
              "tokens_per_step", "acceptance_rate", "output_throughput", "speedup",
              "lossless_share")
-RUN_FIELDS = ("id", "drafter_id", "engine_version", "hardware", "hardware_description",
-              "artifact", "queued_at")
+RUN_FIELDS = ("id", "drafter_id", "protocol_id", "engine_version", "hardware",
+              "hardware_description", "artifact", "queued_at", "state", "cells_done", "attempts",
+              "finished_at")
 # A group's figures that a row carries beside the common ones (selectors.run_figures).
 GROUP_EXTRA = ("speedup", "speedup_low", "speedup_high", "output_throughput_low",
                "output_throughput_high", "acceptance_length_low", "acceptance_length_high",
@@ -115,8 +116,13 @@ def leaderboard(protocol: Protocol, *, task: str | None = None, batch_size: int 
     # Drafter rows: the groups of each drafter run's cells (k > 0), each divided by the
     # baseline cells stored with them (selectors.speedups), computed per run and kept
     # while the run does not change (selectors.run_figures).
+    states = None
+    if run_figures.cache_enabled():  # the runs' states from the runs read above
+        base_states = run_figures.baseline_states([protocol.pk])
+        states = {r["id"]: run_figures.run_state(r, base_states) for r in drafter_runs}
     pieces = run_figures.groups([r["id"] for r in drafter_runs], task=task,
-                                batch_size=batch_size, temperature=temperature, k=k)
+                                batch_size=batch_size, temperature=temperature, k=k,
+                                states=states)
 
     def row(run, g, base_thr, extra=None):
         return {

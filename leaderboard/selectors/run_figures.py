@@ -75,20 +75,31 @@ def compute_groups(run_ids, *, task=None, batch_size=None, temperature=None) -> 
     return dict(out)
 
 
+# The fields of a run whose change makes its figures computed again (with its baselines').
+STATE_FIELDS = ("state", "cells_done", "attempts", "finished_at", "engine_version")
+
+
+def baseline_states(protocol_ids) -> dict[tuple, tuple]:
+    """{(protocol id, hardware): state of its succeeded baseline runs}. One query."""
+    return {(b["protocol_id"], b["hardware"]): (b["n"], b["last"], str(b["finished"]))
+            for b in Run.objects.filter(protocol_id__in=set(protocol_ids), drafter__isnull=True,
+                                        state=Run.SUCCEEDED)
+            .values("protocol_id", "hardware")
+            .annotate(n=Count("id"), last=Max("id"), finished=Max("finished_at")).order_by()}
+
+
+def run_state(run: dict, baselines: dict) -> tuple:
+    """The state of a run (a dict with "protocol_id", "hardware" and STATE_FIELDS)."""
+    return (*(str(run[f]) for f in STATE_FIELDS),
+            baselines.get((run["protocol_id"], run["hardware"])))
+
+
 def run_states(run_ids) -> dict[int, tuple]:
     """{run id: its state} (see the module's docstring). Two queries."""
-    rows = list(Run.objects.filter(pk__in=list(run_ids)).values_list(
-        "pk", "protocol_id", "hardware", "state", "cells_done", "attempts", "finished_at",
-        "engine_version"))
-    baselines = {
-        (b["protocol_id"], b["hardware"]): (b["n"], b["last"], str(b["finished"]))
-        for b in Run.objects.filter(protocol_id__in={r[1] for r in rows}, drafter__isnull=True,
-                                    state=Run.SUCCEEDED)
-        .values("protocol_id", "hardware")
-        .annotate(n=Count("id"), last=Max("id"), finished=Max("finished_at")).order_by()}
-    return {pk: (state, done, attempts, str(finished), engine,
-                 baselines.get((protocol_id, hardware)))
-            for pk, protocol_id, hardware, state, done, attempts, finished, engine in rows}
+    rows = list(Run.objects.filter(pk__in=list(run_ids)).values(
+        "id", "protocol_id", "hardware", *STATE_FIELDS))
+    baselines = baseline_states(r["protocol_id"] for r in rows)
+    return {r["id"]: run_state(r, baselines) for r in rows}
 
 
 def _key(run_id: int, state: tuple, filters: tuple) -> str:
@@ -100,26 +111,40 @@ def cache_enabled() -> bool:
     return settings.SPECBOARD_PAGE_CACHE_SECONDS > 0 and settings.SPECBOARD_PAGE_CACHE_INCREMENTAL
 
 
-def groups(run_ids, *, task=None, batch_size=None, temperature=None, k=None) -> dict:
+# A group as kept: its values in this order (a tuple pickles and loads faster than a dict).
+GROUP_FIELDS = ("batch_size", "temperature", "k", "cells", "requests", "acceptance_length",
+                "acceptance_rate", "output_throughput", "lossless_share", "speedup",
+                "speedup_low", "speedup_high", "output_throughput_low",
+                "output_throughput_high", "acceptance_length_low", "acceptance_length_high",
+                "tokens_per_step", "engine_acceptance_length", "baseline_throughput",
+                "baseline_runs", "paired")
+
+
+def groups(run_ids, *, task=None, batch_size=None, temperature=None, k=None,
+           states: dict | None = None) -> dict:
     """`compute_groups` of the runs, each run's piece read from the cache when its state
     has not changed, else computed (all the missing runs in one go) and kept; groups of
-    another k than `k` (if given) left out. Two queries when every piece is kept, four
-    otherwise."""
+    another k than `k` (if given) left out. `states`: {run id: `run_state`} when the
+    caller has read them (else two queries). Two more queries when a piece is missing."""
     run_ids = list(run_ids)
     filters = (task or None, batch_size, None if temperature is None else float(temperature))
     if not cache_enabled():
         out = compute_groups(run_ids, task=task, batch_size=batch_size, temperature=temperature)
     else:
-        keys = {run_id: _key(run_id, state, filters)
-                for run_id, state in run_states(run_ids).items()}
+        if states is None:
+            states = run_states(run_ids)
+        keys = {run_id: _key(run_id, states[run_id], filters) for run_id in run_ids
+                if run_id in states}
         kept = cache.get_many(list(keys.values()))
-        out = {run_id: kept[key] for run_id, key in keys.items() if key in kept}
+        out = {run_id: [dict(zip(GROUP_FIELDS, g)) for g in kept[key]]
+               for run_id, key in keys.items() if key in kept}
         missing = [run_id for run_id in keys if run_id not in out]
         if missing:
             computed = compute_groups(missing, task=task, batch_size=batch_size,
                                       temperature=temperature)
             fresh = {run_id: computed.get(run_id, []) for run_id in missing}
-            cache.set_many({keys[run_id]: piece for run_id, piece in fresh.items()},
+            cache.set_many({keys[run_id]: [tuple(g[f] for f in GROUP_FIELDS) for g in piece]
+                            for run_id, piece in fresh.items()},
                            settings.SPECBOARD_PAGE_CACHE_SECONDS)
             out.update(fresh)
     if k is not None:
