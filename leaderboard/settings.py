@@ -231,6 +231,8 @@ SPECBOARD_PAGE_CACHE_SECONDS = env_int("SPECBOARD_PAGE_CACHE_SECONDS", 300)
 # page's new state while others get its previous rendering (views.cached_fragment).
 # Off: every request that misses renders from scratch (bench/web_load.py --before).
 SPECBOARD_PAGE_CACHE_INCREMENTAL = env_bool("SPECBOARD_PAGE_CACHE_INCREMENTAL", True)
+# While only running runs' cells land, a page is rendered again at most this often (seconds).
+SPECBOARD_LANDING_REFRESH_S = env_int("SPECBOARD_LANDING_REFRESH_S", 5)
 # Django's cache (the page fragments above): per process by default; SPECBOARD_CACHE_URL
 # shares it between web processes: redis://HOST:PORT/DB or file:///absolute/folder.
 # The per-process and folder caches hold up to 300 entries unless told: the leaderboard keeps

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+import time
 
 from django.conf import settings
 from django.contrib import messages
@@ -79,31 +80,39 @@ def _query(request, **changes):
 
 def cached_fragment(page: tuple, signature, build):
     """The leaderboard table and the drafter page's results are rendered once per state of
-    the data (`signature()`, the selectors' signatures) for each `page` (its parameters) and
-    kept in Django's cache for SPECBOARD_PAGE_CACHE_SECONDS (0 = no cache). `build()`
-    returns a dict with "html".
+    the data for each `page` (its parameters) and kept in Django's cache for
+    SPECBOARD_PAGE_CACHE_SECONDS (0 = no cache). `signature()` gives the state as (settled,
+    landing): what shows at once (runs succeeding, drafters withdrawn), and the progress of
+    running runs. `build()` returns a dict with "html".
 
-    When the state changes (a cell lands), one request renders the new state; requests for
-    the same page that come meanwhile get the page's previous rendering, a moment older,
-    rather than all rendering it at once."""
+    With SPECBOARD_PAGE_CACHE_INCREMENTAL (default): while only cells land, a page's
+    rendering is reused for SPECBOARD_LANDING_REFRESH_S, so a page is rendered at most that
+    often however fast cells land; and when a new state is rendered, requests for the same
+    page that come meanwhile get its previous rendering rather than all rendering it."""
     ttl = settings.SPECBOARD_PAGE_CACHE_SECONDS
     if ttl <= 0:
         return build()
+    settled, landing = signature()
+    settled_digest = hashlib.sha256(repr((page, settled)).encode()).hexdigest()
     latest = "fragment-latest:" + hashlib.sha256(repr(page).encode()).hexdigest()
-    key = "fragment:" + hashlib.sha256(repr((page, signature())).encode()).hexdigest()
+    key = "fragment:" + hashlib.sha256(repr((settled_digest, landing)).encode()).hexdigest()
     value = cache.get(key)
     if value is not None:
         return value
+    incremental = settings.SPECBOARD_PAGE_CACHE_INCREMENTAL
+    previous = cache.get(latest) if incremental else None
+    if previous is not None and previous["settled"] == settled_digest and (
+            time.time() - previous["at"] < settings.SPECBOARD_LANDING_REFRESH_S):
+        return previous["value"]
     rendering = key + ":rendering"
-    if settings.SPECBOARD_PAGE_CACHE_INCREMENTAL and not cache.add(rendering, True,
-                                                                   FRAGMENT_RENDER_S):
-        previous = cache.get(latest)
+    if incremental and not cache.add(rendering, True, FRAGMENT_RENDER_S):
         if previous is not None:
-            return previous
+            return previous["value"]
     try:
         value = build()
         kept = {k: v for k, v in value.items() if k == "html" or k.startswith("meta")}
-        cache.set_many({key: kept, latest: kept}, ttl)
+        cache.set_many({key: kept, latest: {"settled": settled_digest, "at": time.time(),
+                                            "value": kept}}, ttl)
     finally:
         cache.delete(rendering)
     return value

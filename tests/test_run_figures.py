@@ -128,24 +128,28 @@ def test_while_a_page_renders_its_new_state_others_get_the_previous_rendering(se
     settings.SPECBOARD_PAGE_CACHE_SECONDS = 300
     cache.clear()
     page = ("test page", 1)
-    first = views.cached_fragment(page, lambda: "state 1", lambda: {"html": "one"})
+    first = views.cached_fragment(page, lambda: ("state 1", None), lambda: {"html": "one"})
     assert first["html"] == "one"
 
     def render_state_2():
         # a request that comes while this one renders state 2
-        meanwhile.append(views.cached_fragment(page, lambda: "state 2",
+        meanwhile.append(views.cached_fragment(page, lambda: ("state 2", None),
                                                lambda: {"html": "rendered twice"}))
         return {"html": "two"}
 
     meanwhile = []
-    assert views.cached_fragment(page, lambda: "state 2", render_state_2)["html"] == "two"
+    assert views.cached_fragment(page, lambda: ("state 2", None),
+                                 render_state_2)["html"] == "two"
     assert meanwhile == [{"html": "one"}]
-    assert views.cached_fragment(page, lambda: "state 2", lambda: {"html": "x"})["html"] == "two"
+    assert views.cached_fragment(page, lambda: ("state 2", None),
+                                 lambda: {"html": "x"})["html"] == "two"
     cache.clear()
 
 
-def test_the_leaderboard_is_rendered_again_when_a_cell_lands_in_a_running_run(client, site):
+def test_the_leaderboard_is_rendered_again_when_a_cell_lands_in_a_running_run(client, site,
+                                                                             settings):
     """Pages show running runs' cells as they land, so the page key follows each cell."""
+    settings.SPECBOARD_LANDING_REFRESH_S = 0
     protocol = site["protocol"]
     url = reverse("home") + f"?protocol={protocol.slug}@1"
     assert client.get(url).context["board"] is not None  # rendered
@@ -153,3 +157,21 @@ def test_the_leaderboard_is_rendered_again_when_a_cell_lands_in_a_running_run(cl
     land(site["landing"], site["cells"][0])
     assert client.get(url).context["board"] is not None  # rendered again
     assert client.get(url).context["board"] is None
+
+
+def test_while_cells_land_a_page_is_rendered_again_at_most_every_refresh_interval(
+        client, site, settings):
+    """Landing cells show within SPECBOARD_LANDING_REFRESH_S; a run that succeeds (or a
+    drafter withdrawn) shows at once."""
+    settings.SPECBOARD_LANDING_REFRESH_S = 60
+    protocol = site["protocol"]
+    url = reverse("home") + f"?protocol={protocol.slug}@1"
+    assert client.get(url).context["board"] is not None
+    land(site["landing"], site["cells"][0])
+    assert client.get(url).context["board"] is None  # the rendering of a moment ago
+    settings.SPECBOARD_LANDING_REFRESH_S = 0
+    assert client.get(url).context["board"] is not None
+    settings.SPECBOARD_LANDING_REFRESH_S = 60
+    Run.objects.filter(pk=site["landing"].pk).update(state=Run.SUCCEEDED)
+    rows = client.get(url).context["board"]["rows"]  # rendered at once
+    assert any(r["drafter"]["name"] == "still landing" for r in rows)

@@ -68,10 +68,10 @@ def _run_values(v: dict, drafter: dict | None) -> dict:
 
 
 def leaderboard_signature(protocol: Protocol) -> tuple:
-    """Changes whenever the runs a leaderboard shows change (a run succeeds, a drafter is
-    withdrawn or approved) and whenever a cell lands in a running run (pages show running
-    runs' cells as they land; selectors.run_figures keeps the rebuild to that run): for
-    caching. One query."""
+    """(settled, landing) for caching (views.cached_fragment): settled changes whenever the
+    runs a leaderboard shows change (a run succeeds, a drafter is withdrawn or approved),
+    landing whenever a cell lands in a running run (pages show running runs' cells as they
+    land; selectors.run_figures keeps the rebuild to that run). One query."""
     visible = Q(state__in=[Run.SUCCEEDED, Run.RUNNING]) & ~Q(
         drafter__review_state__in=HIDDEN_REVIEW_STATES)
     running = Q(state=Run.RUNNING)
@@ -81,9 +81,9 @@ def leaderboard_signature(protocol: Protocol) -> tuple:
                       running=Count("id", filter=running),
                       cells=Sum("cells_done", filter=running),
                       attempts=Sum("attempts", filter=running)))
-    return (protocol.pk, protocol.sha256, agg["n"], agg["last"],
-            agg["finished"].isoformat() if agg["finished"] else None,
-            agg["running"], agg["cells"], agg["attempts"])
+    return ((protocol.pk, protocol.sha256, agg["n"], agg["last"],
+             agg["finished"].isoformat() if agg["finished"] else None),
+            (agg["running"], agg["cells"], agg["attempts"]))
 
 
 def leaderboard(protocol: Protocol, *, task: str | None = None, batch_size: int | None = None,
