@@ -5,7 +5,8 @@ cells keep landing, side by side in one invocation.
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/specboard_webload \\
         .venv/bin/python bench/web_load.py [--results 100000] [--clients 20] [--seconds 30]
-        [--landing-rate 1.0] [--before] [--server gunicorn|runserver] [--workers 2] [--reseed]
+        [--landing-rate 1.0] [--before] [--no-refresh] [--server gunicorn|runserver]
+        [--workers 2] [--reseed]
 
 The database is created if it does not exist.
 
@@ -17,7 +18,9 @@ request in ten): the page its submitter watches, which changes with every cell.
 
 --before measures the same scenarios again with SPECBOARD_PAGE_CACHE_INCREMENTAL=0 (each
 new state of a page rendered from scratch by every request that misses it, as before
-2026-12-01), so the ratio shows in one invocation.
+2026-12-01), so the ratio shows in one invocation. --no-refresh measures the figures kept
+per run without the refresh interval (SPECBOARD_LANDING_REFRESH_S=0: a page rendered again
+for every landing cell).
 
 The seeded figures are test data from tests/factories.py (counts chosen by formula, figures
 computed by worker.metrics): not measurements. Seeding is done once per database (a second
@@ -300,8 +303,8 @@ def pcts(xs):
 
 
 def measure_mode(mode, args, protocol, board_urls, drafter_slugs, base):
-    """Start a server for `mode` ("incremental" or "before"), then each page quiet and with
-    cells landing. Returns whether the goal was met."""
+    """Start a server for `mode` ("incremental", "no-refresh" or "before"), then each page
+    quiet and with cells landing. Returns whether the goal was met."""
     from django.core.cache import cache
     from django.db import connection
 
@@ -318,7 +321,9 @@ def measure_mode(mode, args, protocol, board_urls, drafter_slugs, base):
         drafter_urls.append(f"{base}/drafters/{slug}/")
         if i % 9 == 8:
             drafter_urls.append(landing_url)  # one request in ten
-    env = {"SPECBOARD_PAGE_CACHE_INCREMENTAL": "1" if mode == "incremental" else "0"}
+    env = {"SPECBOARD_PAGE_CACHE_INCREMENTAL": "0" if mode == "before" else "1"}
+    if mode == "no-refresh":  # per-run figures, but a page rendered again for every cell
+        env["SPECBOARD_LANDING_REFRESH_S"] = "0"
     proc = start_server(args.port, args.server, args.workers, args.threads, env)
     met = True
     try:
@@ -362,6 +367,9 @@ def main(argv=None):
                         help="cells landed per second while cells land")
     parser.add_argument("--before", action="store_true",
                         help="also measure with SPECBOARD_PAGE_CACHE_INCREMENTAL=0")
+    parser.add_argument("--no-refresh", action="store_true",
+                        help="also measure with SPECBOARD_LANDING_REFRESH_S=0 (figures kept "
+                             "per run, but a page rendered again for every landing cell)")
     parser.add_argument("--port", type=int, default=8799)
     parser.add_argument("--server", choices=["runserver", "gunicorn"], default="gunicorn",
                         help="gunicorn (pyproject dev extras); runserver: one threaded "
@@ -410,7 +418,8 @@ def main(argv=None):
           f"{'p95':>7} {'p99':>7} {'requests':>7} {'req/s':>6} {'errors':>6} {'cells':>6} "
           f"{'load':>5}")
     met = {}
-    for mode in ("incremental", "before") if args.before else ("incremental",):
+    modes = ["incremental"] + ["no-refresh"] * args.no_refresh + ["before"] * args.before
+    for mode in modes:
         met[mode] = measure_mode(mode, args, protocol, board_urls, slugs, base)
     clean_landing_runs()
     print(f"load average at the end: {os.getloadavg()[0]:.1f} (other processes share the CPUs)")
