@@ -229,14 +229,27 @@ DATA_UPLOAD_MAX_NUMBER_FILES = 300
 # The leaderboard table and the drafter page's results are cached per state of the data
 # (Django's cache: per process by default) for this long; 0 turns the cache off.
 SPECBOARD_PAGE_CACHE_SECONDS = env_int("SPECBOARD_PAGE_CACHE_SECONDS", 300)
+# On: the leaderboard's figures are kept per run under the run's state
+# (selectors.run_figures), so a landing cell recomputes one run, and one request renders a
+# page's new state while others get its previous rendering (views.cached_fragment).
+# Off: every request that misses renders from scratch (bench/web_load.py --before).
+SPECBOARD_PAGE_CACHE_INCREMENTAL = env_bool("SPECBOARD_PAGE_CACHE_INCREMENTAL", True)
+# While only running runs' cells land, a page is rendered again at most this often (seconds).
+SPECBOARD_LANDING_REFRESH_S = env_int("SPECBOARD_LANDING_REFRESH_S", 5)
 # Django's cache (the page fragments above): per process by default; SPECBOARD_CACHE_URL
 # shares it between web processes: redis://HOST:PORT/DB or file:///absolute/folder.
+# The per-process and folder caches hold up to 300 entries unless told: the leaderboard keeps
+# one entry per run and filter (selectors.run_figures), so allow many more.
 _cache_url = env_str("SPECBOARD_CACHE_URL")
+_cache_options = {"MAX_ENTRIES": 50_000}
 if _cache_url.startswith(("redis://", "rediss://")):
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
                           "LOCATION": _cache_url, "KEY_PREFIX": "specboard"}}
 elif _cache_url.startswith("file://"):
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.filebased.FileBasedCache",
-                          "LOCATION": _cache_url[len("file://"):]}}
+                          "LOCATION": _cache_url[len("file://"):], "OPTIONS": _cache_options}}
 elif _cache_url:
     raise ValueError(f"SPECBOARD_CACHE_URL {_cache_url!r}: use redis://... or file:///path")
+else:
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache",
+                          "OPTIONS": _cache_options}}

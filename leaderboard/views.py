@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+import time
 
 from django.conf import settings
 from django.contrib import messages
@@ -78,20 +79,49 @@ def _query(request, **changes):
 
 # ---- fragment cache --------------------------------------------------------------------
 
-def cached_fragment(parts, build):
+def cached_fragment(page: tuple, signature, build):
     """The leaderboard table and the drafter page's results are rendered once per state of
-    the data (`parts()` includes the selectors' signatures) and kept in Django's cache for
-    SPECBOARD_PAGE_CACHE_SECONDS (0 = no cache). `build()` returns a dict with "html"."""
+    the data for each `page` (its parameters) and kept in Django's cache for
+    SPECBOARD_PAGE_CACHE_SECONDS (0 = no cache). `signature()` gives the state as (settled,
+    landing): what shows at once (runs succeeding, drafters withdrawn), and the progress of
+    running runs. `build()` returns a dict with "html".
+
+    With SPECBOARD_PAGE_CACHE_INCREMENTAL (default): while only cells land, a page's
+    rendering is reused for SPECBOARD_LANDING_REFRESH_S, so a page is rendered at most that
+    often however fast cells land; and when a new state is rendered, requests for the same
+    page that come meanwhile get its previous rendering rather than all rendering it."""
     ttl = settings.SPECBOARD_PAGE_CACHE_SECONDS
     if ttl <= 0:
         return build()
-    key = "fragment:" + hashlib.sha256(repr(parts()).encode()).hexdigest()
+    settled, landing = signature()
+    settled_digest = hashlib.sha256(repr((page, settled)).encode()).hexdigest()
+    latest = "fragment-latest:" + hashlib.sha256(repr(page).encode()).hexdigest()
+    key = "fragment:" + hashlib.sha256(repr((settled_digest, landing)).encode()).hexdigest()
     value = cache.get(key)
-    if value is None:
+    if value is not None:
+        return value
+    incremental = settings.SPECBOARD_PAGE_CACHE_INCREMENTAL
+    previous = cache.get(latest) if incremental else None
+    if previous is not None and previous["settled"] == settled_digest and (
+            time.time() - previous["at"] < settings.SPECBOARD_LANDING_REFRESH_S):
+        return previous["value"]
+    rendering = key + ":rendering"
+    if incremental and not cache.add(rendering, True, FRAGMENT_RENDER_S):
+        if previous is not None:
+            return previous["value"]
+    try:
         value = build()
-        cache.set(key, {k: v for k, v in value.items() if k == "html" or k.startswith("meta")},
-                    ttl)
+        kept = {k: v for k, v in value.items() if k == "html" or k.startswith("meta")}
+        cache.set_many({key: kept, latest: {"settled": settled_digest, "at": time.time(),
+                                            "value": kept}}, ttl)
+    finally:
+        cache.delete(rendering)
     return value
+
+
+# How long other requests may be answered with a page's previous rendering while one
+# renders its new state (then they render it too: the renderer may have died).
+FRAGMENT_RENDER_S = 20
 
 
 def protocol_choices():
@@ -170,8 +200,8 @@ def home(request):
                 "meta_batch_size": table["filters"]["batch_size"]}
 
     fragment = cached_fragment(
-        lambda: ("board", board.leaderboard_signature(protocol), sorted(filters.items()),
-                 page, _board_params(request)), build)
+        ("board", protocol.pk, sorted(filters.items()), page, _board_params(request)),
+        lambda: board.leaderboard_signature(protocol), build)
     ref = shapes.protocol_ref(protocol)
     batch_size = fragment["meta_batch_size"]
     # An empty board says what is measuring, and what comes next (not cached: ETAs move).
@@ -223,8 +253,8 @@ def drafter_detail(request, slug):
     if overview["_run"] is None:
         fragment = build()
     else:
-        fragment = cached_fragment(lambda: ("drafter", drafters.drafter_signature(overview),
-                                            k_param, t_param), build)
+        fragment = cached_fragment(("drafter", overview["_run"].pk, k_param, t_param),
+                                   lambda: drafters.drafter_signature(overview), build)
     manage = permissions.can_manage(request.user, page["drafter"]["owner_id"],
                                     page["drafter"]["review_state"])
     # The shown run (or the run re-measuring it) still queued or running: what it measures

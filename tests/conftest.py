@@ -100,6 +100,20 @@ def artifacts_dir() -> Path:
     return ARTIFACTS
 
 
+SCREENSHOTS = ROOT / "docs" / "screenshots"
+
+
+@pytest.fixture(scope="session")
+def screenshots_dir(artifacts_dir) -> Path:
+    """Where the browser tests write the README's screenshots: the committed ones in
+    docs/screenshots/ when SPECBOARD_REFRESH_SCREENSHOTS=1, else test-artifacts/ (a plain
+    test run leaves the tree as it was)."""
+    if os.environ.get("SPECBOARD_REFRESH_SCREENSHOTS") == "1":
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        return SCREENSHOTS
+    return artifacts_dir
+
+
 def database_url_for_subprocess():
     """The URL of the database this test process uses (pytest-django's test database),
     for a Celery worker started by a test."""

@@ -160,3 +160,25 @@ def seed_board(protocol, n_drafters, owner=None, prefix="drafter"):
         add_drafter_results(run, 0.4 + 0.5 * (i + 1) / (n_drafters + 1), base_results)
         drafters.append(d)
     return {"baseline": baseline, "baseline_results": base_results, "drafters": drafters}
+
+
+def landing_cell(run, cell, quality=0.6):
+    """A CellResult as worker.measure yields it, for services.runs.record_cell (the path a
+    worker's cell takes): the counts of `drafter_counts` / `baseline_counts`, figures by
+    worker.metrics, one record per request (same outputs as the baseline: lossless)."""
+    from worker.cell import FIGURE_KEYS, CellResult
+
+    spec = run.protocol.spec_obj
+    i = _task_index(spec, cell.task)
+    counts = (drafter_counts(quality, i, cell.batch_size, cell.temperature, cell.k) if cell.k
+              else baseline_counts(i, cell.batch_size, cell.temperature))
+    row = result_from_counts(run, cell.task, cell.batch_size, cell.temperature, cell.k, counts)
+    figures = {key: getattr(row, key, None) for key in FIGURE_KEYS}
+    figures.update(repetitions=1, pass_throughputs=[row.output_throughput], host_load=0.0,
+                   loaded=False)
+    per_request = counts["generated_tokens"] // counts["requests"]
+    records = [{"prompt_id": f"p{n}", "repetition": 0,
+                "output_token_ids": list(range(per_request))} for n in range(counts["requests"])]
+    return CellResult(cell=cell, figures=figures, records=records,
+                      outputs={r["prompt_id"]: r["output_token_ids"] for r in records},
+                      checks={"ok": True, "failed": []})

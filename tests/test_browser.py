@@ -131,7 +131,7 @@ def test_sign_up_submit_follow_the_queue_and_see_the_charts(
     page.goto(f"{url}/?protocol={protocol.slug}@{protocol.version}")
     board = page.inner_text("#leaderboard")
     assert "Browser n-gram 2-4" in board and "Baseline" in board
-    page.screenshot(path=str(artifacts_dir / "leaderboard.png"), full_page=True)
+    page.screenshot(path=str(artifacts_dir / "submitted-leaderboard.png"), full_page=True)
 
     # the drafter page: every chart holds data
     page.click("text=Browser n-gram 2-4")
@@ -192,3 +192,43 @@ def test_a_running_runs_cell_shows_on_the_leaderboard_marked_measuring(
     page.screenshot(path=str(artifacts_dir / "leaderboard-measuring.png"), full_page=True)
     row.locator("a.badge.measuring").click()
     page.wait_for_url(f"**/runs/{run.pk}/")
+
+
+def test_the_readme_screenshot_of_the_leaderboard(live_server, browser_page, screenshots_dir,
+                                                  settings, tmp_path):
+    """The README's leaderboard: a protocol like the demo's with a drafter of each method,
+    their rows written by the factories (figures by worker.metrics) and one run's cells
+    landed through the run service as a worker writes them."""
+    from leaderboard.services import runs
+
+    settings.MEDIA_ROOT = tmp_path / "media"  # the landed cells' raw records
+    target = f.make_target(slug="smollm2-135m-instruct", name="SmolLM2-135M-Instruct")
+    protocol = f.make_protocol(target, slug="demo-cpu", hardware="cpu",
+                               tasks=("chat", "code"), batch_sizes=(1, 2, 4, 8),
+                               ks=(2, 4))
+    baseline = f.make_run(protocol)
+    base_results = f.add_baseline_results(baseline)
+    entries = [("n-gram 2-4", "ngram", 0.55), ("EAGLE head", "eagle", 0.8),
+               ("Medusa heads", "medusa", 0.62), ("2-layer draft model", "draft_model", 0.7)]
+    for name, method, quality in entries:
+        drafter = f.make_drafter(target, name, method=method, params={} if method != "ngram"
+                                 else {"prompt_lookup_min": 2, "prompt_lookup_max": 4})
+        f.add_drafter_results(f.make_run(protocol, drafter), quality, base_results)
+    landed = f.make_drafter(target, "n-gram 1-3",
+                            params={"prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    run = f.make_run(protocol, landed, state=Run.RUNNING)
+    for cell in protocol.spec_obj.run_cells("ngram"):
+        runs.record_cell(run, f.landing_cell(run, cell, quality=0.45))
+    runs.update_progress(run, len(protocol.spec_obj.run_cells("ngram")), 0.0)
+    Run.objects.filter(pk=run.pk).update(state=Run.SUCCEEDED)
+
+    page = browser_page
+    page.set_viewport_size({"width": 1600, "height": 880})
+    page.goto(f"{live_server.url}/?protocol={protocol.slug}@{protocol.version}&batch_size=4&k=4")
+    board = page.inner_text("#leaderboard")
+    for name, *_ in entries:
+        assert name in board
+    assert "n-gram 1-3" in board and "Baseline" in board
+    assert "×" in board  # speedups with their intervals
+    page.screenshot(path=str(screenshots_dir / "leaderboard.png"))
+    assert (screenshots_dir / "leaderboard.png").stat().st_size > 20_000

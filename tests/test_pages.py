@@ -153,7 +153,8 @@ def test_cached_fragments_follow_the_data(client, board, settings, django_assert
     # a withdrawn drafter leaves at once
     Drafter.objects.filter(pk=newcomer.pk).update(review_state="withdrawn")
     assert b"newcomer" not in client.get(reverse("home")).content
-    # the drafter page follows its run cell by cell
+    # the drafter page follows its run cell by cell (rendered again at once for a test)
+    settings.SPECBOARD_LANDING_REFRESH_S = 0
     drafter = f.make_drafter(board["protocol"].target, "in progress")
     running = f.make_run(board["protocol"], drafter, state=Run.RUNNING, cells_done=0)
     url = reverse("drafter", args=[drafter.slug]) + f"?protocol={board['protocol'].slug}@1"

@@ -8,16 +8,21 @@ from collections import defaultdict
 from django.db.models import Count, Max, Min, Q, Sum
 
 from ..models import Protocol, Result, Run
-from . import speedups
-from .shapes import (ALL, HIDDEN_REVIEW_STATES, METHOD_LABELS, aggregate_cells, fast_url,
-                     figures_from_sums, protocol_summary, sum_annotations, unprefix)
+from . import run_figures, speedups
+from .shapes import (ALL, HIDDEN_REVIEW_STATES, METHOD_LABELS, fast_url, figures_from_sums,
+                     protocol_summary, sum_annotations, unprefix)
 
 
 SORT_KEYS = ("name", "method", "k", "batch_size", "temperature", "acceptance_length",
              "tokens_per_step", "acceptance_rate", "output_throughput", "speedup",
              "lossless_share")
-RUN_FIELDS = ("id", "drafter_id", "engine_version", "hardware", "hardware_description",
-              "artifact", "queued_at", "state", "cells_done", "cells_total", "attempts")
+RUN_FIELDS = ("id", "drafter_id", "protocol_id", "engine_version", "hardware",
+              "hardware_description", "artifact", "queued_at", "state", "cells_done",
+              "cells_total", "attempts", "finished_at")
+# A group's figures that a row carries beside the common ones (selectors.run_figures).
+GROUP_EXTRA = ("speedup", "speedup_low", "speedup_high", "output_throughput_low",
+               "output_throughput_high", "acceptance_length_low", "acceptance_length_high",
+               "tokens_per_step", "engine_acceptance_length", "baseline_runs", "paired")
 DRAFTER_FIELDS = ("slug", "name", "method", "owner_id", "owner__username", "review_state",
                   "claimed_acceptance_length", "claimed_speedup", "claimed_source")
 # The leaderboard's default batch size: the smallest one that has rows (see leaderboard()).
@@ -101,22 +106,22 @@ def _run_values(v: dict, drafter: dict | None) -> dict:
 
 
 def leaderboard_signature(protocol: Protocol) -> tuple:
-    """Changes whenever the runs a leaderboard shows change (a run succeeds, a drafter is
-    withdrawn or approved, a running run writes a cell, starts again or stops): for
-    caching. One query."""
-    shown = Q(state=Run.SUCCEEDED)
+    """(settled, landing) for caching (views.cached_fragment): settled changes whenever the
+    runs a leaderboard shows change (a run succeeds, a drafter is withdrawn or approved),
+    landing whenever a cell lands in a running run (pages show running runs' cells as they
+    land; selectors.run_figures keeps the rebuild to that run). One query."""
+    visible = Q(state__in=[Run.SUCCEEDED, Run.RUNNING]) & ~Q(
+        drafter__review_state__in=HIDDEN_REVIEW_STATES)
     running = Q(state=Run.RUNNING)
-    agg = (Run.objects.filter(protocol=protocol, state__in=[Run.SUCCEEDED, Run.RUNNING])
-           .exclude(drafter__review_state__in=HIDDEN_REVIEW_STATES)
-           .aggregate(n=Count("id", filter=shown), last=Max("id", filter=shown),
-                      finished=Max("finished_at", filter=shown),
+    agg = (Run.objects.filter(protocol=protocol).filter(visible)
+           .aggregate(n=Count("id", filter=~running), last=Max("id", filter=~running),
+                      finished=Max("finished_at", filter=~running),
                       running=Count("id", filter=running),
-                      running_last=Max("id", filter=running),
-                      running_cells=Sum("cells_done", filter=running),
-                      running_attempts=Sum("attempts", filter=running)))
-    return (protocol.pk, protocol.sha256, agg["n"], agg["last"],
-            agg["finished"].isoformat() if agg["finished"] else None, agg["running"],
-            agg["running_last"], agg["running_cells"], agg["running_attempts"])
+                      cells=Sum("cells_done", filter=running),
+                      attempts=Sum("attempts", filter=running)))
+    return ((protocol.pk, protocol.sha256, agg["n"], agg["last"],
+             agg["finished"].isoformat() if agg["finished"] else None),
+            (agg["running"], agg["cells"], agg["attempts"]))
 
 
 def leaderboard(protocol: Protocol, *, task: str | None = None, batch_size: int | None = None,
@@ -163,15 +168,17 @@ def leaderboard(protocol: Protocol, *, task: str | None = None, batch_size: int 
             measured = measured.filter(k=k) if k is not None else measured
             batch_size = measured.aggregate(b=Min("batch_size"))["b"] or batch_size
 
-    # Drafter rows: the cells (k > 0) of each drafter's shown run, each divided by the
-    # baseline cell stored with it (selectors.speedups). Three queries.
-    cells_qs = narrowed(Result.objects.filter(run_id__in=drafter_ids, k__gt=0))
-    if k is not None:
-        cells_qs = cells_qs.filter(k=k)
-    by_group = defaultdict(list)
-    for r in cells_qs.order_by("task"):
-        by_group[(r.run_id, r.batch_size, float(r.temperature), r.k)].append(r.as_cell_dict())
-    pinned = speedups.pinned_for([c for cells in by_group.values() for c in cells])
+
+    # Drafter rows: the groups of each drafter run's cells (k > 0), each divided by the
+    # baseline cells stored with them (selectors.speedups), computed per run and kept
+    # while the run does not change (selectors.run_figures).
+    states = None
+    if run_figures.cache_enabled():  # the runs' states from the runs read above
+        base_states = run_figures.baseline_states([protocol.pk])
+        states = {r["id"]: run_figures.run_state(r, base_states) for r in drafter_runs}
+    pieces = run_figures.groups([r["id"] for r in drafter_runs], task=task,
+                                batch_size=batch_size, temperature=temperature, k=k,
+                                states=states)
 
     def row(run, g, base_thr, extra=None):
         return {
@@ -190,18 +197,10 @@ def leaderboard(protocol: Protocol, *, task: str | None = None, batch_size: int 
         }
 
     rows = []
-    for (run_id, b, t, kk), cells in by_group.items():
-        run = run_by_id[run_id]
-        g = {**aggregate_cells(cells, ("batch_size", "temperature", "k"))[(b, t, kk)],
-             "batch_size": b, "temperature": t, "k": kk}
-        mine = pinned.get(run_id, {})
-        figs = speedups.pooled(cells, mine)
-        base_runs = speedups.baseline_runs_of({speedups.cell_key(c): mine[speedups.cell_key(c)]
-                                               for c in cells if speedups.cell_key(c) in mine})
-        figs["baseline_runs"] = [{"id": i, "url": fast_url("run", i), "same_run": i == run_id}
-                                 for i in base_runs]
-        figs["paired"] = base_runs == [run_id]
-        rows.append(row(run, g, figs.pop("baseline_throughput"), figs))
+    for run in drafter_runs:
+        for g in pieces.get(run["id"], ()):
+            figs = {f: g[f] for f in GROUP_EXTRA}
+            rows.append(row(run, g, g["baseline_throughput"], figs))
 
     # The newest succeeded shared baseline run's cells, for reference (paired protocols
     # have none: each drafter run holds its own).

@@ -92,17 +92,20 @@ def _baseline_candidates(run: Run):
 
 
 def drafter_signature(overview: dict) -> tuple | None:
-    """Changes whenever the cells, charts or baseline of the shown run can change (a cell
-    is added, the run or a baseline finishes): for caching. One query."""
+    """(settled, landing) for caching (views.cached_fragment): what changes whenever the
+    cells, charts or baseline of the shown run can change (the run or a baseline finishes),
+    and its cells done while it runs (a cell lands). One query."""
     run = overview["_run"]
     if run is None:
         return None
     base = _baseline_candidates(run).aggregate(n=Count("id"), last=Max("id"),
                                                finished=Max("finished_at"))
     d = overview["drafter"]
-    return (run.pk, run.state, run.cells_done, run.attempts, str(run.finished_at),
-            run.engine_version, base["n"], base["last"], str(base["finished"]),
-            d["claimed_acceptance_length"], d["claimed_speedup"])
+    landing = run.cells_done if run.state == Run.RUNNING else None
+    return ((run.pk, run.state, None if landing is not None else run.cells_done, run.attempts,
+             str(run.finished_at), run.engine_version, base["n"], base["last"],
+             str(base["finished"]), d["claimed_acceptance_length"], d["claimed_speedup"]),
+            landing)
 
 
 def drafter_results(overview: dict) -> dict:
