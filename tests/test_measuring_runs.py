@@ -226,6 +226,7 @@ def test_the_cached_board_follows_a_running_runs_cells(client, settings):
     from django.core.cache import cache
 
     settings.SPECBOARD_PAGE_CACHE_SECONDS = 60
+    settings.SPECBOARD_LANDING_REFRESH_S = 0   # every landing cell, not one per interval
     cache.clear()
     protocol = paired_protocol()
     drafter, run = running_run(protocol)
