@@ -18,6 +18,8 @@ DEMO_PORT ?= 7860
 DEMO_TRAIN_N ?= 1024
 DEMO_TRAIN_DATA ?= demo-chat-1k
 DEMO_TRAIN_SEED ?= 0
+# About four passes over 1024 conversations at 4 a step.
+DEMO_TRAIN_STEPS ?= 1000
 DEMO_RECIPES ?= eagle medusa_reduced_vocab
 
 .PHONY: install run test migrate setup-demo worker web demo clean-var demo-drafters ship-drafters system-packages
@@ -80,7 +82,8 @@ demo-drafters: migrate
 		--n $(DEMO_TRAIN_N) --seed $(DEMO_TRAIN_SEED) --skip-existing
 	for recipe in $(DEMO_RECIPES); do \
 		$(PY) manage.py train_drafter --recipe $$recipe --target smollm2-135m-instruct \
-			--data $(DEMO_TRAIN_DATA) --protocol demo-cpu --seed $(DEMO_TRAIN_SEED) --skip-existing \
+			--data $(DEMO_TRAIN_DATA) --protocol demo-cpu --seed $(DEMO_TRAIN_SEED) \
+			--steps $(DEMO_TRAIN_STEPS) --skip-existing \
 			--resume-if-any || exit 1; \
 	done
 
