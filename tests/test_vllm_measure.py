@@ -7,7 +7,7 @@ sizes 1 and 2, temperature 0, 24 new tokens):
 - n-gram drafting (k=3) through iter_cells under a *paired* protocol with 2 repetitions
   (passes) and stratified prompts for mt_bench: the run measures its own baseline cells, with
   two engines (baseline and k=3) alive side by side.
-The other tests need no engine.
+The other tests need no engine; those that use one are marked ``vllm``.
 """
 import argparse
 import gzip
@@ -122,6 +122,7 @@ def _baseline_requests(out):
 
 # ----------------------------------------------------------------------- engine sessions
 
+@pytest.mark.vllm
 def test_started_event_comes_first_and_records_the_engine(ngram_events):
     job, events, _ = ngram_events
     started = events[0]
@@ -139,6 +140,7 @@ def test_started_event_comes_first_and_records_the_engine(ngram_events):
     assert not any(isinstance(e, dict) for e in events[1:])
 
 
+@pytest.mark.vllm
 def test_engine_core_runs_with_tcmalloc_preloaded_and_it_is_recorded(ngram_events):
     from worker.engines.vllm_engine import TCMALLOC_PATH
 
@@ -150,6 +152,7 @@ def test_engine_core_runs_with_tcmalloc_preloaded_and_it_is_recorded(ngram_event
     assert all("libtcmalloc_minimal.so.4" in m for m in cores.values())
 
 
+@pytest.mark.vllm
 def test_paired_run_yields_each_group_baseline_first_in_protocol_order(ngram_events):
     job, events, _ = ngram_events
     cells = _cells(events)
@@ -171,6 +174,7 @@ def test_paired_run_yields_each_group_baseline_first_in_protocol_order(ngram_eve
             (p.id, rep) for p in job.prompts[c.cell.task] for rep in range(REPS))
 
 
+@pytest.mark.vllm
 def test_passes_time_shares_and_intervals(ngram_events):
     for c in _cells(ngram_events[1]):
         f = c.figures
@@ -190,6 +194,7 @@ def test_passes_time_shares_and_intervals(ngram_events):
         assert 0 <= c.checks["drift"]
 
 
+@pytest.mark.vllm
 def test_self_checks_are_kept_and_pass(ngram_events):
     for c in _cells(ngram_events[1]):
         ch = c.checks
@@ -199,6 +204,7 @@ def test_self_checks_are_kept_and_pass(ngram_events):
         assert ch["ok"] is True and ch["failed"] == [], ch
 
 
+@pytest.mark.vllm
 def test_baseline_cells_of_the_paired_run(ngram_events):
     for c in _cells(ngram_events[1]):
         if c.cell.k:
@@ -210,6 +216,7 @@ def test_baseline_cells_of_the_paired_run(ngram_events):
         assert f["decode_tokens"] == f["decode_steps"] == f["generated_tokens"] - f["requests"]
 
 
+@pytest.mark.vllm
 def test_speculation_metric_invariants(ngram_events):
     cells = _drafter_cells(ngram_events[1])
     assert sum(c.figures["drafts"] for c in cells) > 0, "n-gram drafted nothing"
@@ -248,6 +255,7 @@ def per_position_acceptance_of(f):
                                               f["accepted_tokens"], f["accepted_at"]))
 
 
+@pytest.mark.vllm
 def test_engine_and_corrected_acceptance_length(ngram_events):
     cells = _drafter_cells(ngram_events[1])
     # With 24 new tokens and k=3, some greedy code outputs end inside a verification step
@@ -276,6 +284,7 @@ def test_engine_and_corrected_acceptance_length(ngram_events):
             assert sum(r["step_tokens"]) == len(r["output_token_ids"])
 
 
+@pytest.mark.vllm
 def test_greedy_ngram_outputs_equal_the_baseline_token_for_token(ngram_events, baseline_out):
     baseline = {(r["task"], r["batch_size"], r["prompt_id"]): r["output_token_ids"]
                 for r in _baseline_requests(baseline_out)}
@@ -294,11 +303,15 @@ def test_greedy_ngram_outputs_equal_the_baseline_token_for_token(ngram_events, b
     assert compared == 4 * 3 * REPS and not differ, f"outputs differ from the baseline: {differ}"
 
 
-def test_cli_writes_cells_and_request_records(baseline_out, protocol_file):
+@pytest.mark.vllm
+def test_cli_writes_cells_and_request_records(baseline_out, protocol_file, demo_target_dir):
     rows = json.loads((baseline_out / "cells.json").read_text())
     spec, prompts = load_protocol_file(protocol_file)
-    assert [(r["task"], r["batch_size"], r["temperature"], r["k"]) for r in rows] == \
-        [c.key for c in spec.cells(with_drafter=False)]
+    # every cell of the protocol once, in the order the worker measures them
+    written = [(r["task"], r["batch_size"], r["temperature"], r["k"]) for r in rows]
+    job = _job(protocol_file, demo_target_dir, DrafterSpec("baseline"))
+    assert written == [c.key for c in measurement_order(job)]
+    assert sorted(written) == sorted(c.key for c in spec.cells(with_drafter=False))
     for r in rows:
         assert set(r) == {"task", "batch_size", "temperature", "k", "checks", *FIGURE_KEYS}
         assert r["k"] == 0 and r["drafts"] == 0 and r["acceptance_length"] is None
