@@ -12,6 +12,8 @@ DATA_DIR = Path(env_str("SPECBOARD_DATA_DIR", str(VAR_DIR / "data")))
 # Trained drafters shipped with the repository (config.json + model.safetensors +
 # training.json per folder); setup_demo registers them (leaderboard/services/shipping.py).
 SHIPPED_DRAFTERS_DIR = Path(env_str("SPECBOARD_SHIPPED_DRAFTERS_DIR", str(BASE_DIR / "drafters")))
+# Rounds of the demo training data shipped with the repository (services.training).
+SHIPPED_ROUNDS_DIR = Path(env_str("SPECBOARD_SHIPPED_ROUNDS_DIR", str(BASE_DIR / "training-data" / "rounds")))
 
 # DEBUG is off unless asked for (DEBUG=1): its error pages show source, settings and URLs.
 DEBUG = env_bool("DEBUG", default=False)

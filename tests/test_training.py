@@ -280,6 +280,35 @@ def test_trained_drafter_is_registered_with_its_recipe_and_queued(site, tmp_path
     assert Drafter.objects.filter(trained_by_recipe="medusa").count() == 1
 
 
+@pytest.mark.django_db
+def test_shipped_rounds_are_continued_instead_of_written_again(site, settings, tmp_path):
+    import gzip
+    import shutil
+
+    from leaderboard.models import TrainingDataset
+
+    file = write_prompts(tmp_path / "p.jsonl", PROMPTS[1:3])
+    args = ["make_training_data", "--target", "smollm2", "--prompts", str(file),
+            "--max-answer-tokens", "8", "--engine", "reference"]
+    call_command(*args, "--n", "2", "--slug", "written")
+    written = read_dataset(settings_media(TrainingDataset.objects.get(slug="written").path))
+    # Ship those rounds (gzipped, as training-data/rounds/ holds them) and forget them here.
+    kept = settings.DATA_DIR / "training" / "rounds"
+    (folder,) = kept.iterdir()
+    settings.SHIPPED_ROUNDS_DIR = tmp_path / "shipped"
+    shipped = settings.SHIPPED_ROUNDS_DIR / folder.name
+    shipped.mkdir(parents=True)
+    with open(folder / "rounds.jsonl", "rb") as src, gzip.open(shipped / "rounds.jsonl.gz", "wb") as out:
+        shutil.copyfileobj(src, out)
+    shutil.copyfile(folder / "state.json", shipped / "state.json")
+    shutil.rmtree(kept)
+    call_command(*args, "--n", "1", "--slug", "from-shipped")
+    row = TrainingDataset.objects.get(slug="from-shipped")
+    assert read_dataset(settings_media(row.path)) == written[:1]
+    assert row.params["stats"]["prefix_of"] == 2   # taken from the shipped rounds, not written
+    assert (kept / folder.name / "rounds.jsonl").is_file()
+
+
 def settings_media(name):
     from django.core.files.storage import default_storage
 

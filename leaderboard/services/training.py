@@ -163,6 +163,8 @@ def make_training_data(target: Target, n: int, *, slug: str | None = None, promp
                                      file_sha256(prompts_file) if prompts_file else None],
                                     sort_keys=True).encode()).hexdigest()[:16]
     checkpoint = settings.DATA_DIR / "training" / "rounds" / key
+    if not (checkpoint / "state.json").is_file():
+        copy_shipped_rounds(key, checkpoint, say)
     if say and (checkpoint / "state.json").is_file():
         held = json.loads((checkpoint / "state.json").read_text()).get("records", 0)
         say(f"{held} conversations of these settings are kept in {checkpoint}; continuing from there")
@@ -203,6 +205,26 @@ def make_training_data(target: Target, n: int, *, slug: str | None = None, promp
                 params={"generation": gen.to_dict(), "stats": stats,
                         "target_sha256": target.weights_sha256})
     return row, True
+
+
+def copy_shipped_rounds(key: str, checkpoint: Path, say=None) -> bool:
+    """Rounds of a generation shipped with the repository (``training-data/rounds/KEY/``:
+    ``rounds.jsonl.gz`` and ``state.json``, the demo data written on the project's machine),
+    copied in where none are kept yet: the same command then continues them (or takes its
+    first N) instead of writing them again."""
+    import gzip
+
+    shipped = Path(settings.SHIPPED_ROUNDS_DIR) / key
+    if not (shipped / "state.json").is_file() or not (shipped / "rounds.jsonl.gz").is_file():
+        return False
+    checkpoint.mkdir(parents=True, exist_ok=True)
+    with gzip.open(shipped / "rounds.jsonl.gz", "rb") as src, \
+            open(checkpoint / "rounds.jsonl", "wb") as out:
+        shutil.copyfileobj(src, out)
+    shutil.copyfile(shipped / "state.json", checkpoint / "state.json")
+    if say:
+        say(f"rounds shipped in {shipped} copied to {checkpoint}")
+    return True
 
 
 def _tmp_root() -> Path:
