@@ -4,6 +4,17 @@ from django.core.management import call_command
 from leaderboard.models import Drafter, Prompt, PromptSet, Protocol, Target
 
 
+def shipped_recipes() -> dict:
+    """{folder: recipe} of the trained drafters shipped in the repository's drafters/."""
+    import json
+
+    from django.conf import settings
+
+    return {f.name: json.loads((f / "training.json").read_text())["recipe"]
+            for f in sorted(settings.SHIPPED_DRAFTERS_DIR.iterdir())
+            if (f / "training.json").is_file()}
+
+
 def snapshot():
     return {
         "targets": list(Target.objects.values_list("pk", "slug", "weights_sha256")),
@@ -28,7 +39,12 @@ def test_setup_demo_twice_gives_the_same_rows(demo_target_dir, capsys):
     assert spec.hardware == "cpu" and [t.task for t in spec.tasks] == [
         "chat", "math-reasoning", "code"]
     assert spec.batch_sizes == (1, 4, 8) and spec.ks == (2, 4) and spec.max_new_tokens == 128
-    assert [d[1] for d in first["drafters"]] == ["ngram-prompt-lookup"]
+    # the n-gram drafter and one drafter per folder shipped in drafters/, with its recipe
+    shipped = shipped_recipes()
+    assert "ngram-prompt-lookup" in [d[1] for d in first["drafters"]]
+    trained = Drafter.objects.exclude(slug="ngram-prompt-lookup")
+    assert sorted((d.training_details.get("shipped"), d.trained_by_recipe) for d in trained) == \
+        sorted(shipped.items())
     target = Target.objects.get()
     assert (target.vocab_size, target.hidden_size, target.num_layers) == (49152, 576, 30)
     assert target.has_chat_template
@@ -52,7 +68,9 @@ def test_demo_protocol_v2_is_paired_stratified_with_repetitions_and_keeps_v1(dem
     assert all(chosen["math-reasoning"]["categories"][c]
                for c in ("math", "reasoning", "extraction"))
     queued = setup.queue_demo_runs(rows)
-    assert [r.drafter_id is None for r in queued] == [False]  # no separate baseline (paired)
+    # no separate baseline (paired); the n-gram run first, then the shipped drafters'
+    assert [r.drafter_id is None for r in queued] == [False] * (1 + len(shipped_recipes()))
+    assert queued[0].drafter.method == "ngram"
     assert queued[0].cells_total == len(spec.run_cells("ngram"))
     assert not Run.objects.filter(protocol=v2, drafter__isnull=True).exists()
     # an existing v1 stays as it was
