@@ -301,16 +301,25 @@ def finish(run: Run, state: str, error: str = "", tail: str = ""):
         fields["drift"] = run_drift(run)
         fields["drift_flagged"] = (fields["drift"] is not None
                                    and fields["drift"] > run.protocol.spec_obj.max_drift)
-    changed = Run.objects.filter(pk=run.pk, state=Run.RUNNING).update(**fields)
-    if changed:
-        for name in ("drift", "drift_flagged"):
-            if name in fields:
-                setattr(run, name, fields[name])
-    if changed and state == Run.SUCCEEDED:
-        if run.is_baseline:
-            backfill_speedups(run, run_records)
-        else:
-            record_analysis(run, run_records)
+    # One transaction: whoever sees the run succeeded sees its analysis (or the speedups it
+    # filled in) too, never the state first and the figures a moment later.
+    with transaction.atomic():
+        changed = Run.objects.filter(pk=run.pk, state=Run.RUNNING).update(**fields)
+        if changed:
+            for name in ("drift", "drift_flagged"):
+                if name in fields:
+                    setattr(run, name, fields[name])
+        if changed and state == Run.SUCCEEDED:
+            try:
+                with transaction.atomic():   # a fault here loses the figures, not the run
+                    if run.is_baseline:
+                        backfill_speedups(run, run_records)
+                    else:
+                        record_analysis(run, run_records)
+            except (OperationalError, InterfaceError):
+                raise   # the database went away: the whole finish is retried
+            except Exception:  # noqa: BLE001 - logged; the measured cells stand
+                log.exception("run %s: its analysis could not be stored", run.pk)
     return bool(changed)
 
 
