@@ -210,11 +210,7 @@ class _Progress:
         if len(rows) > saved["records"]:
             # A round written after the last state (stopped in between) is done again.
             rows = rows[:saved["records"]]
-            tmp = state.folder / "rounds.jsonl.part"
-            with open(tmp, "w", encoding="utf-8") as f:
-                for r in rows:
-                    f.write(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n")
-            tmp.replace(state.folder / "rounds.jsonl")
+            write_dataset(rows, state.folder / "rounds.jsonl")
         state.stats.update(saved["stats"], resumed_at=len(rows))
         state.attempt = saved["attempt"]
         if len(rows) > state.n:
