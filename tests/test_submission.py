@@ -356,3 +356,21 @@ def test_a_real_two_layer_draft_model_of_the_demo_target_is_accepted_and_queued(
     assert run.state == Run.QUEUED and run.cells_total == len(
         protocol.spec_obj.cells(with_drafter=True))
     assert len(callbacks) == 2  # the baseline's run and the drafter's
+
+
+@pytest.mark.parametrize("name, slug", [
+    ("medusa_reduced_vocab-demo-chat-1k-v1-seed0", "medusa_reduced_vocab-demo-chat-1k-v1"),
+    ("EAGLE head, 1k conversations", "eagle-head-1k-conversations"),
+    ("x" * 60, "x" * 40),
+    ("", "drafter"),
+])
+def test_a_long_name_is_cut_at_a_word_boundary(name, slug):
+    assert submissions.slug_base(name) == slug
+    assert len(submissions.slug_base(name)) <= submissions.SLUG_LENGTH
+
+
+@pytest.mark.django_db
+def test_a_taken_slug_gets_a_numbered_suffix():
+    f.make_drafter(f.make_target(), "medusa_reduced_vocab-demo-chat-1k-v1")
+    assert submissions.unique_slug("medusa_reduced_vocab-demo-chat-1k-v1-seed0") \
+        == "medusa_reduced_vocab-demo-chat-1k-v1-2"

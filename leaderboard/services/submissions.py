@@ -130,8 +130,21 @@ def storage_name(content_sha256: str, index: int, name: str) -> str:
     return f"drafters/{content_sha256[:16]}/{index:03d}-{PurePosixPath(name).name[-60:]}"
 
 
+SLUG_LENGTH = 40   # a SlugField holds 50; the rest is room for a "-N" suffix
+
+
+def slug_base(name: str) -> str:
+    """The name as a slug of at most SLUG_LENGTH characters, cut at a word boundary (a
+    hyphen) when the name is longer, so a slug never ends mid-word."""
+    slug = slugify(name) or "drafter"
+    if len(slug) <= SLUG_LENGTH:
+        return slug
+    cut = slug[:SLUG_LENGTH + 1].rfind("-")
+    return slug[:cut] if cut >= SLUG_LENGTH // 2 else slug[:SLUG_LENGTH].rstrip("-")
+
+
 def unique_slug(name: str) -> str:
-    base = (slugify(name) or "drafter")[:40]
+    base = slug_base(name)
     taken = set(Drafter.objects.filter(slug__startswith=base).values_list("slug", flat=True))
     if base not in taken:
         return base
