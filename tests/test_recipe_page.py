@@ -40,11 +40,13 @@ def curves(db):
     small = dataset(target, "demo-chat-128", 128, 20000, 700.0)
     large = dataset(target, "demo-chat-1k", 1024, 160000, 2900.0)
     out = {"protocol": protocol, "target": target}
-    for key, name, recipe, method, data, quality, seconds in (
-            ("eagle_small", "eagle 128", "eagle", "eagle", small, 0.35, 600.0),
-            ("eagle_large", "eagle 1k", "eagle", "eagle", large, 0.55, 4000.0),
-            ("medusa_small", "medusa <b>128</b>", "medusa_reduced_vocab", "medusa", small, 0.3, 300.0)):
-        d = trained(target, name, recipe, method, data, seconds)
+    for key, name, recipe, method, data, quality, seconds, details in (
+            ("eagle_small", "eagle 128", "eagle", "eagle", small, 0.35, 600.0, None),
+            ("eagle_large", "eagle 1k", "eagle", "eagle", large, 0.55, 4000.0,
+             {"steps": 600, "final_top1": 0.8123}),
+            ("medusa_small", "medusa <b>128</b>", "medusa_reduced_vocab", "medusa", small, 0.3,
+             300.0, None)):
+        d = trained(target, name, recipe, method, data, seconds, details)
         add_drafter_results(make_run(protocol, d), quality, base)
         out[key] = d
     # Shipped: no dataset row here, its figures recorded with it; its run still measuring.
@@ -96,28 +98,34 @@ def test_recipe_page_lists_every_recipe_and_each_drafters_figures(client, curves
         assert f'id="recipe-{name}"' in html and cls.summary.replace("'", "&#x27;") in html
     # eagle 1k: chat and code rows, AL at the largest k pooled over batch sizes, speedups
     # at b = 1 and 8: one cell each, so exactly the stored figure.
+    # Its top-1 on the training data (recorded by the training) beside the measured
+    # position-1 acceptance of each task.
     rows = row_cells(html, "eagle 1k")
-    assert rows[0][:6] == ["eagle", "eagle 1k", "1024", "160000", "48m 20s", "1h 06m"]
-    for cells, task in ((rows[0][6:], "chat"), (rows[1], "code")):
+    assert rows[0][:7] == ["eagle", "eagle 1k", "1024", "160000", "48m 20s", "1h 06m", "0.81"]
+    for cells, task in ((rows[0][7:], "chat"), (rows[1], "code")):
         assert cells[0] == task
         assert cells[1].startswith(f"{expected_al(curves['eagle_large'], protocol, task):.2f}")
         mine = Result.objects.filter(run__drafter=curves["eagle_large"], task=task, k=4)
         assert cells[2] == f"{metrics.tokens_per_step(sum(r.decode_tokens for r in mine), sum(r.decode_steps for r in mine)):.2f}"
-        for b, text in ((1, cells[3]), (8, cells[4])):
+        drafts = sum(r.drafts for r in mine)
+        first_accepted = sum(r.accepted_at[0] for r in mine)
+        assert 0 < first_accepted < drafts
+        assert cells[3] == f"{first_accepted / drafts:.2f}"
+        for b, text in ((1, cells[4]), (8, cells[5])):
             stored = Result.objects.get(run__drafter=curves["eagle_large"], task=task,
                                         batch_size=b, k=4).speedup
             assert text == f"{stored:.2f}×"
     # The shipped drafter: its recorded data figures, its run marked measuring, code not
     # measured yet.
     rows = row_cells(html, "medusa shipped 4k")
-    assert rows[0][2:6] == ["4096", "640000", "3h 03m", "41m 40s"]
+    assert rows[0][2:7] == ["4096", "640000", "3h 03m", "41m 40s", "—"]
     run = curves["shipped_run"]
     assert f"measuring: {run.cells_done} of {run.cells_total} cells" in rows[0][1]
-    assert rows[1][0] == "code" and rows[1][1:] == ["—", "—", "—", "—"]
+    assert rows[1][0] == "code" and rows[1][1:] == ["—", "—", "—", "—", "—"]
     assert "eagle never run" in html.split('id="unmeasured"')[1]
     assert "plain ngram" not in html
     # The table gives both figures of the definitions: AL and tokens per step.
-    assert "Tokens / step" in html and "Speedup b=1" in html and "Speedup b=8" in html
+    assert "Tokens / step" in html and "Position-1 acceptance" in html and "Speedup b=1" in html and "Speedup b=8" in html
 
 
 @pytest.mark.django_db

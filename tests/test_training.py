@@ -151,6 +151,7 @@ def test_recipe_loss_falls_and_checkpoint_loads_losslessly(recipe, steps, demo_t
     summary = train(recipe, tmp_path / recipe, steps, lr=2e-3 if recipe != "draft_model" else None)
     assert summary["finished"] and summary["steps"] == steps
     assert summary["final_loss"] < 0.8 * summary["first_loss"], summary
+    assert 0 <= summary["final_top1"] <= 1, summary
     folder = Path(summary["drafter_dir"])
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
     uploads = [Upload(p.name, p, p.stat().st_size) for p in sorted(folder.iterdir())]
@@ -170,6 +171,8 @@ def test_recipe_loss_falls_and_checkpoint_loads_losslessly(recipe, steps, demo_t
         # well above 1 means it reads the hidden states of the right positions.
         al = 1 + sum(s.accepted for s in drafted) / len(drafted)
         assert al > 1.8, al
+        # and on its training data its first token mostly matches the target's
+        assert summary["final_top1"] > 0.5, summary
 
 
 def test_trained_heads_sample_at_temperature(train, engine, tmp_path):

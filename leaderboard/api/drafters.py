@@ -45,6 +45,10 @@ class TrainingOut(Out):
     steps: Optional[int] = Field(description="optimizer steps")
     first_loss: Optional[float] = Field(description="mean loss of the first tenth of the steps")
     final_loss: Optional[float] = Field(description="mean loss of the last tenth of the steps")
+    final_top1: Optional[float] = Field(description="mean share of first drafted tokens that "
+                                        "matched the target's over the last tenth of the steps, "
+                                        "on training data (compare the measured position-1 "
+                                        "acceptance on the evaluation prompts)")
     shipped: Optional[str] = Field(description="the shipped drafter's folder it was registered "
                                    "from (drafters/ in the repository), if any")
 

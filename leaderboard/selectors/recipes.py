@@ -3,7 +3,10 @@ each drafter trained by a recipe (here, or shipped with the repository): its dat
 time, its training time, and what its shown run measured (board.shown_runs: the newest
 succeeded run, else the run still measuring) at the protocol's largest k: acceptance
 length (corrected) and tokens per step per task, pooled over batch sizes, and the speedup
-at the smallest and largest batch size. Every figure comes from the shared definitions
+at the smallest and largest batch size; and beside the measured position-1 acceptance, the
+drafter's top-1 agreement with the target on its own training data at the end of training
+(what a greedy verifier would accept at position 1 on prompts it has seen): the gap is what
+did not carry to unseen prompts. Every figure comes from the shared definitions
 (shapes.aggregate_cells, speedups.pooled)."""
 from __future__ import annotations
 
@@ -48,16 +51,20 @@ def recipe_protocols() -> list[dict]:
 
 
 def _figures(cells: list[dict], pinned: dict) -> dict:
-    """Acceptance length (corrected) with its interval and tokens per step over `cells`."""
+    """Acceptance length (corrected) with its interval, tokens per step and the position-1
+    acceptance alpha_1 (the share of drafts whose first token was accepted) over `cells`."""
     if not cells:
         return {"acceptance_length": None, "acceptance_length_low": None,
-                "acceptance_length_high": None, "tokens_per_step": None}
+                "acceptance_length_high": None, "tokens_per_step": None,
+                "first_position_acceptance": None}
     agg = aggregate_cells(cells, ())[()]
     p = speedups.pooled(cells, pinned)
+    alphas = agg.get("per_position_acceptance") or []
     return {"acceptance_length": agg["acceptance_length"],
             "acceptance_length_low": p["acceptance_length_low"],
             "acceptance_length_high": p["acceptance_length_high"],
-            "tokens_per_step": p["tokens_per_step"]}
+            "tokens_per_step": p["tokens_per_step"],
+            "first_position_acceptance": alphas[0] if alphas else None}
 
 
 def _speedup(cells: list[dict], pinned: dict) -> dict | None:

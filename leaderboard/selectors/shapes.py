@@ -208,4 +208,5 @@ def training_summary(d: Drafter) -> dict | None:
     return {"recipe": d.trained_by_recipe, **training_data_figures(d),
             "seed": d.training_seed, "seconds": d.training_seconds,
             "steps": details.get("steps"), "first_loss": details.get("first_loss"),
-            "final_loss": details.get("final_loss"), "shipped": details.get("shipped")}
+            "final_loss": details.get("final_loss"), "final_top1": details.get("final_top1"),
+            "shipped": details.get("shipped")}

@@ -10,7 +10,7 @@ load (config.json + *.safetensors) and ``training.json``, its training record.
   files and training record written as such a folder.
 
 training.json is flat, with train_recipe's names (worker/training: recipe, method,
-data_sha256, seed, steps, seconds = training seconds, first_loss, final_loss, tokens,
+data_sha256, seed, steps, seconds = training seconds, first_loss, final_loss, final_top1, tokens,
 settings, options) and the data's figures under the names the API gives them
 (data_slug, data_version, data_conversations, data_tokens, data_answer_tokens,
 data_seconds), plus target and target_sha256.
@@ -34,13 +34,11 @@ from ..models import Drafter, Protocol, TrainingDataset
 from ..selectors.shapes import DATA_FIGURES, training_data_figures
 from .errors import ServiceError
 from .submissions import SubmissionRefused, submit_drafter
-from .training import drafter_name, medusa_heads_for
+from .training import DETAIL_KEYS, drafter_name, medusa_heads_for
 
 TRAINING_FILE = "training.json"
 # Files of a shipped folder that are not part of the checkpoint (nor of its content hash).
 NOT_CHECKPOINT = (TRAINING_FILE, "README.md")
-# What train_recipe's summary holds and a training record repeats (training_details).
-DETAIL_KEYS = ("steps", "first_loss", "final_loss", "tokens", "settings", "options")
 
 
 class ShippedRefused(ServiceError):

@@ -27,6 +27,11 @@ from ..models import Drafter, Prompt, Protocol, Target, TrainingDataset
 from .errors import ServiceError
 from .submissions import SubmissionRefused, submit_drafter
 
+# What train_recipe's summary holds (worker.training.TrainReport.to_dict, settings, options)
+# that a drafter's training record repeats: training_details, a shipped training.json.
+DETAIL_KEYS = ("steps", "first_loss", "final_loss", "final_top1", "tokens", "settings",
+               "options")
+
 
 def find_target(slug: str) -> Target:
     target = Target.objects.filter(slug=slug).first()
@@ -300,8 +305,7 @@ def register_drafter(summary: dict, recipe: str, dataset: TrainingDataset, proto
                    f"conversations {dataset.slug} v{dataset.version} (sha256 {dataset.sha256[:12]}...), "
                    f"seed {summary['seed']}, {summary['steps']} steps in "
                    f"{summary['seconds'] / 60:.1f} min" + (f", final loss {loss:.4f}" if loss else "") + ".")
-    details = {k: summary[k] for k in ("steps", "first_loss", "final_loss", "tokens", "settings",
-                                       "options") if k in summary}
+    details = {k: summary[k] for k in DETAIL_KEYS if k in summary}
     try:
         return submit_drafter(
             owner=None, protocol=protocol, method=summary["method"], name=name, uploads=uploads,

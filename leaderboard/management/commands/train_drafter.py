@@ -63,7 +63,9 @@ class Command(BaseCommand):
             raise CommandError(str(e)) from None
         self.stdout.write(
             f"{recipe}: {summary['steps']} steps in {summary['seconds']:.0f} s, loss "
-            f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}")
+            f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"
+            + (f", top-1 on the training data {summary['final_top1']:.3f}"
+               if summary.get("final_top1") is not None else ""))
         self.stdout.write(self.style.SUCCESS(
             f"registered drafter {drafter.slug} ({drafter.method}); run {run.pk} queued under "
             f"{protocol} on {run.hardware}"))
