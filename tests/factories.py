@@ -61,6 +61,25 @@ def make_drafter(target, name, method="ngram", owner=None, **fields):
                                   target=target, **defaults)
 
 
+def make_training_dataset(target, slug, n, answer_tokens, seconds):
+    """A TrainingDataset row with its figures (no file: the recipe page reads the row)."""
+    from leaderboard.models import TrainingDataset
+
+    return TrainingDataset.objects.create(
+        slug=slug, target=target, sha256=f"{n:064x}", n=n, tokens=answer_tokens * 2,
+        path=f"{slug}.jsonl", params={"stats": {"seconds": seconds, "answer_tokens": answer_tokens}})
+
+
+def make_trained_drafter(target, name, recipe, method, data=None, seconds=100.0, details=None,
+                         sha="0" * 64):
+    """A drafter trained by `recipe` on `data` (a TrainingDataset, or None: shipped, with its
+    data figures in `details`)."""
+    return make_drafter(target, name, method=method, params={}, trained_by_recipe=recipe,
+                        training_data=data, training_data_sha256=data.sha256 if data else sha,
+                        training_seed=0, training_seconds=seconds,
+                        training_details=details or {"steps": 600})
+
+
 def make_run(protocol, drafter=None, state=Run.SUCCEEDED, engine_version="0.0.test", **fields):
     cells = len(protocol.spec_obj.run_cells(drafter.method if drafter else "baseline"))
     now = timezone.now()

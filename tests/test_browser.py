@@ -235,3 +235,31 @@ def test_the_readme_screenshot_of_the_leaderboard(live_server, browser_page, scr
     assert "×" in board  # speedups with their intervals
     page.screenshot(path=str(screenshots_dir / "leaderboard.png"))
     assert (screenshots_dir / "leaderboard.png").stat().st_size > 20_000
+
+
+def test_the_recipe_page_draws_its_learning_curves(live_server, browser_page):
+    """Two data sizes of one recipe, measured (rows by tests/factories.py): the learning-curve
+    charts draw one line of two points per task, and the table sets the training top-1
+    beside the measured position-1 acceptance."""
+    target = f.make_target(slug="recipe-target", name="Recipe test target")
+    protocol = f.make_protocol(target, slug="recipes-browser", tasks=("chat", "code"),
+                               batch_sizes=(1, 8), ks=(2, 4))
+    base = f.add_baseline_results(f.make_run(protocol))
+    for n, quality, top1 in ((128, 0.35, 0.61), (1024, 0.5, 0.74)):
+        data = f.make_training_dataset(target, f"chat-{n}", n, 150 * n, 2.0 * n)
+        drafter = f.make_trained_drafter(target, f"eagle {n}", "eagle", "eagle", data,
+                                         seconds=0.6 * n, details={"steps": 600, "final_top1": top1})
+        f.add_drafter_results(f.make_run(protocol, drafter), quality, base)
+
+    page = browser_page
+    page.goto(f"{live_server.url}/recipes/?protocol={protocol.slug}@{protocol.version}")
+    page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length === 3")
+    charts = {c["id"]: c for c in page.evaluate(CHARTS_HOLD_DATA)}
+    for task_chart in ("chart-al_task_0", "chart-al_task_1"):
+        assert charts[task_chart]["traces"] == 1 and charts[task_chart]["points"] == 2, charts
+    assert charts["chart-al_time"]["points"] == 2
+    table = page.inner_text("#recipe-table")
+    assert "eagle 1024" in table and "0.74" in table and "0.61" in table
+    assert "Position-1 acceptance" in page.inner_text("#recipe-table thead")
+    page.click("text=eagle 1024")
+    page.wait_for_url("**/drafters/**")

@@ -10,25 +10,14 @@ import re
 import pytest
 from django.urls import reverse
 
-from leaderboard.models import Result, Run, TrainingDataset
+from leaderboard.models import Result, Run
 from worker import metrics
 from worker.training.recipes import RECIPES
 
 from .factories import (add_baseline_results, add_drafter_results, make_drafter, make_protocol,
                         make_run, make_target)
-
-
-def dataset(target, slug, n, answer_tokens, seconds):
-    return TrainingDataset.objects.create(
-        slug=slug, target=target, sha256=f"{n:064x}", n=n, tokens=answer_tokens * 2,
-        path=f"{slug}.jsonl", params={"stats": {"seconds": seconds, "answer_tokens": answer_tokens}})
-
-
-def trained(target, name, recipe, method, data=None, seconds=100.0, details=None, sha="0" * 64):
-    return make_drafter(target, name, method=method, params={}, trained_by_recipe=recipe,
-                        training_data=data, training_data_sha256=data.sha256 if data else sha,
-                        training_seed=0, training_seconds=seconds,
-                        training_details=details or {"steps": 600})
+from .factories import make_trained_drafter as trained
+from .factories import make_training_dataset as dataset
 
 
 @pytest.fixture
