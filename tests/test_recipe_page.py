@@ -34,7 +34,8 @@ def curves(db):
             ("eagle_large", "eagle 1k", "eagle", "eagle", large, 0.55, 4000.0,
              {"steps": 600, "final_top1": 0.8123}),
             ("medusa_small", "medusa <b>128</b>", "medusa_reduced_vocab", "medusa", small, 0.3,
-             300.0, None)):
+             300.0, {"steps": 600, "final_top1": 0.7, "settings": {"heldout": 16},
+                     "heldout_top1": 0.3456, "train_sample_top1": 0.6789})):
         d = trained(target, name, recipe, method, data, seconds, details)
         add_drafter_results(make_run(protocol, d), quality, base)
         out[key] = d
@@ -106,6 +107,8 @@ def test_recipe_page_lists_every_recipe_and_each_drafters_figures(client, curves
             assert text == f"{stored:.2f}×"
     # The shipped drafter: its recorded data figures, its run marked measuring, code not
     # measured yet.
+    # Trained with conversations held out: top-1 on as many training ones / on those.
+    assert row_cells(html, "medusa &lt;b&gt;128")[0][6] == "0.68 / 0.35"
     rows = row_cells(html, "medusa shipped 4k")
     assert rows[0][2:7] == ["4096", "640000", "3h 03m", "41m 40s", "—"]
     run = curves["shipped_run"]

@@ -136,6 +136,33 @@ def test_reduced_vocabulary_heads_draft_only_the_most_frequent_answer_tokens(tra
     assert drafted and set(drafted) <= set(heads.token_map.tolist())
 
 
+def test_held_out_conversations_are_not_trained_on_and_measure_over_fitting(
+        train, engine, dataset, demo_target_dir, target, tmp_path):
+    from worker.heads import MedusaHeads
+    from worker.training.data import load_training_data
+
+    # The split shares the hidden states: a held-out conversation's batch is the same as
+    # in the whole data.
+    data = load_training_data(dataset[0], target[0], "t" * 64)
+    kept, held = data.split(1)
+    assert (len(kept), len(held)) == (3, 1) and kept.tokens + held.tokens == data.tokens
+    for key in ("ids", "hidden", "prompt_lens"):
+        assert torch.equal(held.batch([0])[key], data.batch([3])[key])
+    with pytest.raises(TrainingDataError, match="cannot hold out 4 of 4"):
+        data.split(4)
+
+    summary = train("medusa_reduced_vocab", tmp_path / "m", 50, lr=2e-3, heldout=1,
+                    options={"draft_vocab": 40})
+    assert summary["settings"]["heldout"] == 1
+    # Overfitted on three conversations, the heads draft them far better than the unseen one.
+    assert summary["train_sample_top1"] > summary["heldout_top1"] + 0.2, summary
+    # The reduced vocabulary is chosen from the trained conversations only.
+    records = read_dataset(dataset[0])
+    trained_answers = {t for r in records[:3] for t in r["input_ids"][r["prompt_len"]:]}
+    heads = MedusaHeads.from_pretrained(summary["drafter_dir"])
+    assert set(heads.token_map.tolist()) <= trained_answers
+
+
 def test_evaluation_prompts_are_refused_by_hash():
     forbidden = {text_sha256("What is 2+2?"): "mt-bench#81 (turn 1)"}
     check_not_evaluation(["What is 3+3?"], forbidden)

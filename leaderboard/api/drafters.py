@@ -49,6 +49,12 @@ class TrainingOut(Out):
                                         "matched the target's over the last tenth of the steps, "
                                         "on training data (compare the measured position-1 "
                                         "acceptance on the evaluation prompts)")
+    heldout: int = Field(description="conversations of the data left out of training (0: none)")
+    heldout_top1: Optional[float] = Field(description="top-1 with the final weights on the "
+                                          "held-out conversations (over-fitting: compare "
+                                          "train_sample_top1)")
+    train_sample_top1: Optional[float] = Field(description="top-1 with the final weights on as "
+                                               "many training conversations")
     shipped: Optional[str] = Field(description="the shipped drafter's folder it was registered "
                                    "from (drafters/ in the repository), if any")
 

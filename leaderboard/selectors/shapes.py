@@ -209,4 +209,7 @@ def training_summary(d: Drafter) -> dict | None:
             "seed": d.training_seed, "seconds": d.training_seconds,
             "steps": details.get("steps"), "first_loss": details.get("first_loss"),
             "final_loss": details.get("final_loss"), "final_top1": details.get("final_top1"),
+            "heldout": (details.get("settings") or {}).get("heldout") or 0,
+            "heldout_top1": details.get("heldout_top1"),
+            "train_sample_top1": details.get("train_sample_top1"),
             "shipped": details.get("shipped")}

@@ -145,7 +145,8 @@ def register_shipped(folder: Path, protocol: Protocol) -> tuple[Drafter, bool]:
     try:
         drafter, _ = submit_drafter(
             owner=None, protocol=protocol, method=record["method"],
-            name=drafter_name(recipe, figures["data_slug"], figures["data_version"], seed),
+            name=drafter_name(recipe, figures["data_slug"], figures["data_version"], seed,
+                              (record.get("settings") or {}).get("heldout", 0)),
             uploads=uploads, description=description,
             licence=f"as the target's ({target.name})", queue=False,
             extra_fields=dict(trained_by_recipe=recipe, training_data=dataset,

@@ -29,8 +29,8 @@ from .submissions import SubmissionRefused, submit_drafter
 
 # What train_recipe's summary holds (worker.training.TrainReport.to_dict, settings, options)
 # that a drafter's training record repeats: training_details, a shipped training.json.
-DETAIL_KEYS = ("steps", "first_loss", "final_loss", "final_top1", "tokens", "settings",
-               "options")
+DETAIL_KEYS = ("steps", "first_loss", "final_loss", "final_top1", "heldout_top1",
+               "train_sample_top1", "tokens", "settings", "options")
 
 
 def find_target(slug: str) -> Target:
@@ -241,11 +241,13 @@ def _tmp_root() -> Path:
 def train_and_register(recipe: str, target: Target, dataset: TrainingDataset, protocol: Protocol,
                        *, seed: int = 0, steps=None, batch_size=None, lr=None, options=None,
                        out_dir=None, resume=False, checkpoint_minutes: float = 5.0,
-                       progress=True, say=print, send=True, stop_after_steps=None):
+                       progress=True, say=print, send=True, stop_after_steps=None,
+                       heldout: int = 0):
     """Train ``recipe`` on ``dataset`` and register the result as a baseline drafter of
     ``protocol`` (files through the submission path, run queued). Returns (summary,
     drafter or None, run or None); an unfinished run (``stop_after_steps``) registers
-    nothing and can be resumed."""
+    nothing and can be resumed. ``heldout``: the data's last conversations are left out of
+    training and the drafter's top-1 is measured on them (worker.training.train_recipe)."""
     from worker.training import train_recipe
     from worker.training.data import check_not_evaluation, read_dataset
 
@@ -264,7 +266,7 @@ def train_and_register(recipe: str, target: Target, dataset: TrainingDataset, pr
     if RECIPES[recipe].method == "medusa":
         options = medusa_heads_for(protocol, options)
     out_dir = Path(out_dir or settings.DATA_DIR / "training-runs" / f"{dataset.slug}-v{dataset.version}"
-                   / f"{recipe}-seed{seed}")
+                   / (f"{recipe}-seed{seed}" + (f"-heldout{heldout}" if heldout else "")))
     if resume == "if_any":  # continue an interrupted run, start one otherwise
         from worker.training.loop import STATE_FILE
 
@@ -272,7 +274,8 @@ def train_and_register(recipe: str, target: Target, dataset: TrainingDataset, pr
     summary = train_recipe(recipe, target.path, local, target.weights_sha256, out_dir, seed=seed,
                            steps=steps, batch_size=batch_size, lr=lr, options=options,
                            resume=resume, checkpoint_every_s=checkpoint_minutes * 60,
-                           progress=progress, stop_after_steps=stop_after_steps, say=say)
+                           progress=progress, stop_after_steps=stop_after_steps, say=say,
+                           heldout=heldout)
     if not summary["finished"]:
         return summary, None, None
     drafter, run = register_drafter(summary, recipe, dataset, protocol, send=send)
@@ -299,7 +302,8 @@ def register_drafter(summary: dict, recipe: str, dataset: TrainingDataset, proto
     folder = Path(summary["drafter_dir"])
     uploads = [Upload(f.name, f, f.stat().st_size) for f in sorted(folder.iterdir()) if f.is_file()]
     loss = summary.get("final_loss")
-    name = drafter_name(recipe, dataset.slug, dataset.version, summary["seed"])
+    name = drafter_name(recipe, dataset.slug, dataset.version, summary["seed"],
+                        summary["settings"].get("heldout", 0))
     description = (f"Baseline drafter trained on this site by the {recipe} recipe "
                    f"(`manage.py train_drafter --recipe {recipe}`) on the target's own "
                    f"conversations {dataset.slug} v{dataset.version} (sha256 {dataset.sha256[:12]}...), "
@@ -321,11 +325,11 @@ def register_drafter(summary: dict, recipe: str, dataset: TrainingDataset, proto
         raise ServiceError("the trained drafter was refused: " + "; ".join(str(p) for p in e.problems)) from None
 
 
-def drafter_name(recipe: str, data_slug, data_version, seed) -> str:
-    """A trained drafter's name: short enough that the slug (40 characters) keeps the data
-    and the seed."""
+def drafter_name(recipe: str, data_slug, data_version, seed, heldout: int = 0) -> str:
+    """A trained drafter's name: its recipe, data and seed (and the conversations it left
+    out, if any)."""
     data = f"{data_slug} v{data_version}" if data_version else (data_slug or "data")
-    return f"{recipe} ({data}, seed {seed})"
+    return f"{recipe} ({data}, seed {seed}" + (f", {heldout} held out)" if heldout else ")")
 
 
 def trained_drafter(recipe: str, dataset: TrainingDataset, seed: int) -> Drafter | None:

@@ -31,9 +31,13 @@ def limit_threads():
 def train_recipe(recipe_name, target_dir, dataset_file, target_sha256, out_dir, *, seed=0,
                  steps=None, batch_size=None, lr=None, options=None, resume=False,
                  checkpoint_every_s=300.0, progress=True, stop_after_steps=None,
-                 say=print, target=None) -> dict:
+                 say=print, target=None, heldout: int = 0) -> dict:
     """Train one recipe and write its drafter folder. Returns the training summary.
-    ``target``: the target already loaded, (Llama, config.json dict), to skip loading it."""
+    ``target``: the target already loaded, (Llama, config.json dict), to skip loading it.
+    ``heldout``: the data's last conversations are not trained on (nor used to choose a
+    reduced vocabulary); at the end the drafter's top-1 is measured on them and on as many
+    training conversations (``heldout_top1``, ``train_sample_top1``): the gap between the
+    two is over-fitting, which more data would close."""
     from .data import load_training_data
 
     limit_threads()
@@ -46,11 +50,15 @@ def train_recipe(recipe_name, target_dir, dataset_file, target_sha256, out_dir, 
     recipe = build_recipe(recipe_name, target, target_hf, **options)
     say(f"[{recipe_name}] target hidden states for the training data ...")
     data = load_training_data(dataset_file, target, target_sha256)
+    held = None
+    if heldout:
+        data, held = data.split(heldout)
     recipe.set_vocabulary(data.vocabulary(), data)
     settings = TrainSettings(
         steps=steps or DEMO_STEPS[recipe_name], seed=seed,
         batch_size=batch_size or cls.defaults.get("batch_size", 4),
-        lr=lr or cls.defaults.get("lr", 1e-3), checkpoint_every_s=checkpoint_every_s)
+        lr=lr or cls.defaults.get("lr", 1e-3), checkpoint_every_s=checkpoint_every_s,
+        heldout=heldout)
     settings.warmup_steps = max(1, settings.steps // 20)
     say(f"[{recipe_name}] {len(data)} conversations, {data.tokens} tokens "
         f"({len(recipe.vocab)} distinct); {settings.steps} steps "
@@ -63,6 +71,15 @@ def train_recipe(recipe_name, target_dir, dataset_file, target_sha256, out_dir, 
     summary = {**report.to_dict(), "method": recipe.method, "data_sha256": data.sha256,
                "seed": seed, "settings": settings.__dict__, "options": recipe.describe(),
                "finished": report.steps >= settings.steps, "drafter_dir": str(drafter_dir)}
+    if held is not None and summary["finished"]:
+        from .loop import evaluate_top1
+
+        sample = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))
+        summary["heldout_top1"] = evaluate_top1(recipe, held, list(range(len(held))))
+        summary["train_sample_top1"] = evaluate_top1(recipe, data, sample[:len(held)].tolist())
+        say(f"[{recipe_name}] top-1 on {len(held)} held-out conversations "
+            f"{summary['heldout_top1']:.3f}, on as many training ones "
+            f"{summary['train_sample_top1']:.3f}")
     (out_dir / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 

@@ -330,7 +330,20 @@ class TrainingData:
 
     @property
     def tokens(self):
-        return self.offsets[-1]
+        return self.offsets[-1] - self.offsets[0]
+
+    def split(self, heldout: int) -> tuple["TrainingData", "TrainingData"]:
+        """(the first n - heldout conversations, the last heldout), sharing the hidden states:
+        the held-out part is never trained on, so a drafter's figures on it are on unseen
+        conversations of the same distribution."""
+        if not 0 < heldout < len(self):
+            raise TrainingDataError(f"cannot hold out {heldout} of {len(self)} conversations")
+        cut = len(self) - heldout
+
+        def part(a, b):
+            return TrainingData(self.sha256, self.ids[a:b], self.prompt_lens[a:b], self.hidden,
+                                self.offsets[a:b + 1], self.user_texts[a:b])
+        return part(0, cut), part(cut, len(self))
 
     def answer_token_counts(self, vocab_size: int) -> torch.Tensor:
         """How often each token id occurs in the answers (what drafters propose)."""

@@ -35,6 +35,7 @@ class TrainSettings:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     checkpoint_every_s: float = 300.0
+    heldout: int = 0   # the data's last conversations, never trained on (train_recipe)
 
 
 @dataclass
@@ -70,6 +71,28 @@ class TrainReport:
         return {"recipe": self.recipe, "steps": self.steps, "seconds": round(self.seconds, 3),
                 "first_loss": self.first_loss, "final_loss": self.final_loss,
                 "final_top1": self.final_top1, "tokens": self.tokens}
+
+
+@torch.no_grad()
+def evaluate_top1(recipe, data, indices, batch_size: int = 8) -> float | None:
+    """The recipe's top-1 (the share of first drafted tokens equal to the target's) over the
+    conversations ``indices`` of ``data`` with the current weights, weighted by answer
+    tokens; None when there are none."""
+    was_training = recipe.module.training
+    recipe.module.eval()
+    total = weight = 0.0
+    try:
+        for start in range(0, len(indices), batch_size):
+            batch = data.batch(indices[start:start + batch_size])
+            _, metrics = recipe.loss(batch)
+            if metrics.get("top1") is None:
+                continue
+            answers = float((batch["lengths"] - batch["prompt_lens"]).sum())
+            total += metrics["top1"] * answers
+            weight += answers
+    finally:
+        recipe.module.train(was_training)
+    return total / weight if weight else None
 
 
 def batch_indices(n: int, batch_size: int, seed: int, step: int) -> list[int]:

@@ -33,6 +33,10 @@ class Command(BaseCommand):
         parser.add_argument("--checkpoint-minutes", type=float, default=5.0)
         parser.add_argument("--skip-existing", action="store_true",
                             help="do nothing when this recipe, data and seed are already registered")
+        parser.add_argument("--heldout", type=int, default=0,
+                            help="leave the data's last N conversations out of training and "
+                                 "report the drafter's top-1 on them beside its top-1 on as "
+                                 "many training conversations (over-fitting; default 0)")
         parser.add_argument("--no-progress", action="store_true")
 
     def handle(self, *args, **o):
@@ -48,7 +52,7 @@ class Command(BaseCommand):
             target = find_target(o["target"])
             dataset = find_dataset(o["data"])
             protocol = find_protocol(o["protocol"], target)
-            if o["skip_existing"]:
+            if o["skip_existing"] and not o["heldout"]:
                 existing = trained_drafter(recipe, dataset, o["seed"])
                 if existing is not None:
                     self.stdout.write(f"{recipe}: already registered as {existing.slug}; skipped")
@@ -58,7 +62,7 @@ class Command(BaseCommand):
                 batch_size=o["batch_size"], lr=o["lr"], options=options, out_dir=o["out"],
                 resume=o["resume"] or ("if_any" if o["resume_if_any"] else False),
                 checkpoint_minutes=o["checkpoint_minutes"],
-                progress=not o["no_progress"], say=self.stdout.write)
+                progress=not o["no_progress"], say=self.stdout.write, heldout=o["heldout"])
         except (ServiceError, ResumeError, ValueError) as e:
             raise CommandError(str(e)) from None
         self.stdout.write(
