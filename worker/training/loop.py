@@ -128,9 +128,12 @@ def train(recipe, data, out_dir, settings: TrainSettings, resume: bool = False,
         if not state_path.is_file():
             raise ResumeError(f"nothing to resume: {state_path} does not exist (train without --resume)")
         state = torch.load(state_path, weights_only=True)
+        written = dict(state["identity"])
+        # Checkpoints from before held-out data trained on all of it.
+        written["settings"] = {"heldout": 0, **written["settings"]}
         for key in ("recipe", "data_sha256", "seed", "settings"):
-            if state["identity"][key] != identity[key]:
-                raise ResumeError(f"{state_path} was written with {key} {state['identity'][key]!r}, "
+            if written[key] != identity[key]:
+                raise ResumeError(f"{state_path} was written with {key} {written[key]!r}, "
                                   f"this run has {identity[key]!r}: resume with the same settings "
                                   "or train into another folder")
         recipe.module.load_state_dict(state["module"])
