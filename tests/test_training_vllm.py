@@ -22,18 +22,31 @@ def written(demo_target_dir, engine, tmp_path_factory):
     from worker.training.vllm_writer import VllmWriter
 
     writer = VllmWriter(demo_target_dir)
+    rounds = tmp_path_factory.mktemp("rounds")
     try:
         records, stats = generate_conversations(
             writer, GenerationSettings(n=len(PROMPTS), max_answer_tokens=24, batch_size=8,
                                        engine="vllm"),
-            prompts=PROMPTS, checkpoint=tmp_path_factory.mktemp("rounds"))
+            prompts=PROMPTS, checkpoint=rounds)
     finally:
         writer.shutdown()
-    return records, stats
+    return records, stats, rounds
+
+
+def test_kept_rounds_are_read_without_starting_the_engine(written, demo_target_dir):
+    from worker.training.vllm_writer import VllmWriter
+
+    records, _, rounds = written
+    writer = VllmWriter(demo_target_dir)
+    again, stats = generate_conversations(
+        writer, GenerationSettings(n=2, max_answer_tokens=24, batch_size=8, engine="vllm"),
+        prompts=PROMPTS, checkpoint=rounds)
+    assert again == records[:2] and stats["prefix_of"] == len(PROMPTS)
+    assert writer.llm is None   # every conversation asked for was kept: no engine started
 
 
 def test_vllm_writes_the_targets_own_greedy_answers(written, engine):
-    records, stats = written
+    records, stats, _ = written
     assert [r["user"] for r in records] == PROMPTS
     ids = [engine.encode_chat(p) for p in PROMPTS]
     reference = engine.generate(ids, max_new_tokens=24)

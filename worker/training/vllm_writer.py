@@ -7,6 +7,8 @@ continuous batching, instead of the reference engine's fixed batches. The engine
 the protocol's defaults for the hardware class (dtype, eager mode, no prefix caching) and
 the same chat template, so its greedy answers are the outputs a measurement verifies
 against. Sequence ``i`` of a call samples with seed ``seed + i``, as the reference engine does.
+The engine starts at the first ``generate``: a generation whose kept rounds already hold
+every conversation asked for never starts it.
 """
 from __future__ import annotations
 
@@ -35,8 +37,7 @@ class VllmWriter:
         # float32 on this target); with the measuring default of 1 GiB vLLM preempts, and
         # a preempted seeded request fails on CPU ("CPU Generator does not use offset").
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(WRITER_KV_CACHE_GIB))
-        apply_engine_env(hardware)
-        from vllm import LLM  # after the environment: the engine core reads it at start
+        apply_engine_env(hardware)   # before the engine starts: its core reads it
 
         args = default_engine_args(hardware)
         # A seeded request whose prompt is split over two steps (chunked prefill) fails on
@@ -47,8 +48,18 @@ class VllmWriter:
         args.update(model=str(Path(target_dir)), seed=seed)
         self.path = Path(target_dir)
         self.engine_args = args
-        self.llm = LLM(**args)
-        self.tokenizer = self.llm.get_tokenizer()
+        self.llm = None
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+
+    def engine(self):
+        """The vLLM engine, started on first use."""
+        if self.llm is None:
+            from vllm import LLM
+
+            self.llm = LLM(**self.engine_args)
+        return self.llm
 
     def encode_chat(self, user_text: str) -> list[int]:
         text = self.tokenizer.apply_chat_template(
@@ -66,7 +77,7 @@ class VllmWriter:
                                  seed=seed + i if temperature > 0 else None,
                                  skip_special_tokens=True)
                   for i in range(len(prompts))]
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
+        outputs = self.engine().generate([{"prompt_token_ids": list(p)} for p in prompts], params,
                                     use_tqdm=False)
         return [WrittenSequence(list(o.outputs[0].token_ids), o.outputs[0].text,
                                 "eos" if o.outputs[0].finish_reason == "stop" else "length")
