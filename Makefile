@@ -26,11 +26,13 @@ DEMO_RECIPES ?= eagle medusa_reduced_vocab
 
 # Debian packages the project uses: Chromium for the browser tests, tcmalloc for the vLLM
 # CPU engine (vLLM's CPU docs ask for it preloaded; the worker preloads it when present).
-# Installed when missing and running as root; otherwise the command to run is printed.
+# Installed when missing (a package removed but not purged is missing too: dpkg -s would
+# still find it) and running as root; otherwise the command to run is printed.
 SYSTEM_PACKAGES := chromium libtcmalloc-minimal4
 system-packages:
 	@missing=""; for p in $(SYSTEM_PACKAGES); do \
-		dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+		dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" \
+			|| missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 			echo "[make] installing Debian packages:$$missing"; \
