@@ -94,6 +94,12 @@ def test_a_shipped_drafter_is_registered_once_with_its_training_record(site, tmp
                                           n=1024, tokens=210000, path="x.jsonl")
     assert trained_drafter("medusa_reduced_vocab", data, 3) == d
     assert trained_drafter("medusa_reduced_vocab", data, 4) is None
+    # One trained with conversations held out is another drafter, either way round.
+    assert trained_drafter("medusa_reduced_vocab", data, 3, heldout=64) is None
+    Drafter.objects.filter(pk=d.pk).update(
+        training_details={**d.training_details, "settings": {"heldout": 64}})
+    assert trained_drafter("medusa_reduced_vocab", data, 3) is None
+    assert trained_drafter("medusa_reduced_vocab", data, 3, heldout=64) == d
 
     # Its page and the API give the recipe, the data and the training figures.
     client = Client()

@@ -199,6 +199,12 @@ def training_data_figures(d: Drafter) -> dict:
     return {**{k: details.get(k) for k in DATA_FIGURES}, "data_sha256": d.training_data_sha256}
 
 
+def heldout_of(record: dict | None) -> int:
+    """Conversations a training left out of its data (``--heldout``), from a training
+    record or summary (its settings); 0 for one trained on all of it, or before the option."""
+    return ((record or {}).get("settings") or {}).get("heldout") or 0
+
+
 def training_summary(d: Drafter) -> dict | None:
     """How a baseline drafter was trained (here, or shipped with the repository:
     leaderboard/services/training.py, shipping.py); None otherwise."""
@@ -209,7 +215,7 @@ def training_summary(d: Drafter) -> dict | None:
             "seed": d.training_seed, "seconds": d.training_seconds,
             "steps": details.get("steps"), "first_loss": details.get("first_loss"),
             "final_loss": details.get("final_loss"), "final_top1": details.get("final_top1"),
-            "heldout": (details.get("settings") or {}).get("heldout") or 0,
+            "heldout": heldout_of(details),
             "heldout_top1": details.get("heldout_top1"),
             "train_sample_top1": details.get("train_sample_top1"),
             "shipped": details.get("shipped")}

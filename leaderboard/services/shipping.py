@@ -31,7 +31,7 @@ from worker.checkpoint.results import content_sha256
 from worker.prompts import file_sha256
 
 from ..models import Drafter, Protocol, TrainingDataset
-from ..selectors.shapes import DATA_FIGURES, training_data_figures
+from ..selectors.shapes import DATA_FIGURES, heldout_of, training_data_figures
 from .errors import ServiceError
 from .submissions import SubmissionRefused, submit_drafter
 from .training import DETAIL_KEYS, drafter_name, medusa_heads_for
@@ -146,7 +146,7 @@ def register_shipped(folder: Path, protocol: Protocol) -> tuple[Drafter, bool]:
         drafter, _ = submit_drafter(
             owner=None, protocol=protocol, method=record["method"],
             name=drafter_name(recipe, figures["data_slug"], figures["data_version"], seed,
-                              (record.get("settings") or {}).get("heldout", 0)),
+                              heldout_of(record)),
             uploads=uploads, description=description,
             licence=f"as the target's ({target.name})", queue=False,
             extra_fields=dict(trained_by_recipe=recipe, training_data=dataset,

@@ -24,6 +24,7 @@ from worker.checkpoint import Upload
 from worker.prompts import file_sha256
 
 from ..models import Drafter, Prompt, Protocol, Target, TrainingDataset
+from ..selectors.shapes import heldout_of
 from .errors import ServiceError
 from .submissions import SubmissionRefused, submit_drafter
 
@@ -303,7 +304,7 @@ def register_drafter(summary: dict, recipe: str, dataset: TrainingDataset, proto
     uploads = [Upload(f.name, f, f.stat().st_size) for f in sorted(folder.iterdir()) if f.is_file()]
     loss = summary.get("final_loss")
     name = drafter_name(recipe, dataset.slug, dataset.version, summary["seed"],
-                        summary["settings"].get("heldout", 0))
+                        heldout_of(summary))
     description = (f"Baseline drafter trained on this site by the {recipe} recipe "
                    f"(`manage.py train_drafter --recipe {recipe}`) on the target's own "
                    f"conversations {dataset.slug} v{dataset.version} (sha256 {dataset.sha256[:12]}...), "
@@ -332,11 +333,14 @@ def drafter_name(recipe: str, data_slug, data_version, seed, heldout: int = 0) -
     return f"{recipe} ({data}, seed {seed}" + (f", {heldout} held out)" if heldout else ")")
 
 
-def trained_drafter(recipe: str, dataset: TrainingDataset, seed: int) -> Drafter | None:
-    """The drafter of this recipe, data and seed: trained here on the dataset, or shipped
-    (leaderboard/services/shipping.py) after training on the same file (its sha256)."""
+def trained_drafter(recipe: str, dataset: TrainingDataset, seed: int,
+                    heldout: int = 0) -> Drafter | None:
+    """The drafter of this recipe, data, seed and held-out count: trained here on the
+    dataset, or shipped (leaderboard/services/shipping.py) after training on the same file
+    (its sha256). One trained with conversations held out is another drafter."""
     same_data = Q(training_data=dataset) | Q(training_data__isnull=True,
                                              training_data_sha256=dataset.sha256)
-    return (Drafter.objects.filter(same_data, trained_by_recipe=recipe, training_seed=seed,
-                                   target=dataset.target_id)
-            .exclude(review_state="withdrawn").order_by("created_at", "pk").first())
+    candidates = (Drafter.objects.filter(same_data, trained_by_recipe=recipe, training_seed=seed,
+                                         target=dataset.target_id)
+                  .exclude(review_state="withdrawn").order_by("created_at", "pk"))
+    return next((d for d in candidates if heldout_of(d.training_details) == heldout), None)

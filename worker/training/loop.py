@@ -49,23 +49,27 @@ class TrainReport:
     # (the recipe's "top1"): what a greedy verifier accepts at position 1, on training data.
     top1s: list = field(default_factory=list)
 
+    @staticmethod
+    def _tenth_mean(values, last: bool):
+        """Mean of the first (or last) tenth of the steps' values; None without any."""
+        n = max(1, len(values) // 10)
+        part = values[-n:] if last else values[:n]
+        return sum(part) / len(part) if part else None
+
     @property
     def first_loss(self):
-        n = max(1, len(self.losses) // 10)
-        return sum(self.losses[:n]) / n if self.losses else None
+        return self._tenth_mean(self.losses, last=False)
 
     @property
     def final_loss(self):
-        n = max(1, len(self.losses) // 10)
-        return sum(self.losses[-n:]) / n if self.losses else None
+        return self._tenth_mean(self.losses, last=True)
 
     @property
     def final_top1(self):
         """Mean top-1 agreement over the last tenth of the steps: set beside the measured
         position-1 acceptance on the evaluation prompts, the gap is how much the drafter
         learnt that does not carry to unseen prompts (the recipe page shows both)."""
-        n = max(1, len(self.top1s) // 10)
-        return sum(self.top1s[-n:]) / n if self.top1s else None
+        return self._tenth_mean(self.top1s, last=True)
 
     def to_dict(self):
         return {"recipe": self.recipe, "steps": self.steps, "seconds": round(self.seconds, 3),

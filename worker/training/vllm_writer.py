@@ -49,9 +49,9 @@ class VllmWriter:
         self.path = Path(target_dir)
         self.engine_args = args
         self.llm = None
-        from transformers import AutoTokenizer
+        from worker.measure import load_tokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.path))
+        self.tokenizer = load_tokenizer(self.path)
 
     def engine(self):
         """The vLLM engine, started on first use."""

@@ -32,7 +32,8 @@ class Command(BaseCommand):
                             help="continue from the folder's checkpoint when there is one")
         parser.add_argument("--checkpoint-minutes", type=float, default=5.0)
         parser.add_argument("--skip-existing", action="store_true",
-                            help="do nothing when this recipe, data and seed are already registered")
+                            help="do nothing when this recipe, data, seed (and --heldout) are already "
+                                 "registered")
         parser.add_argument("--heldout", type=int, default=0,
                             help="leave the data's last N conversations out of training and "
                                  "report the drafter's top-1 on them beside its top-1 on as "
@@ -52,8 +53,8 @@ class Command(BaseCommand):
             target = find_target(o["target"])
             dataset = find_dataset(o["data"])
             protocol = find_protocol(o["protocol"], target)
-            if o["skip_existing"] and not o["heldout"]:
-                existing = trained_drafter(recipe, dataset, o["seed"])
+            if o["skip_existing"]:
+                existing = trained_drafter(recipe, dataset, o["seed"], o["heldout"])
                 if existing is not None:
                     self.stdout.write(f"{recipe}: already registered as {existing.slug}; skipped")
                     return
