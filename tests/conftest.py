@@ -25,6 +25,15 @@ def fresh_cache():
     cache.clear()
 
 
+@pytest.fixture(autouse=True)
+def isolated_media(settings, tmp_path):
+    """Each test's storage (uploads, run records, artifacts) is its own folder: a checkout
+    whose var/media holds a real site's run records must not feed a test's run of the same
+    id (its analysis read those records and drew charts the test did not expect)."""
+    settings.MEDIA_ROOT = tmp_path / "media"
+    return settings.MEDIA_ROOT
+
+
 @pytest.fixture(scope="session")
 def demo_target_dir() -> Path:
     """The real demo target (SmolLM2-135M-Instruct) as a safetensors checkpoint."""

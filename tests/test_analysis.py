@@ -614,9 +614,8 @@ def no_page_cache(settings):
 
 
 @pytest.fixture
-def media(settings, tmp_path):
-    settings.MEDIA_ROOT = tmp_path / "media"
-    return settings.MEDIA_ROOT
+def media(isolated_media):
+    return isolated_media
 
 
 SIZES = (1, 2, 8)

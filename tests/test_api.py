@@ -36,9 +36,8 @@ pytestmark = pytest.mark.django_db
 # ---- data ---------------------------------------------------------------------------
 
 @pytest.fixture
-def media(settings, tmp_path):
-    settings.MEDIA_ROOT = tmp_path / "media"
-    return Path(settings.MEDIA_ROOT)
+def media(isolated_media):
+    return Path(isolated_media)
 
 
 @pytest.fixture

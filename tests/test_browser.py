@@ -76,7 +76,6 @@ CHARTS_HOLD_DATA = """() => {
 
 def test_sign_up_submit_follow_the_queue_and_see_the_charts(
         live_server, browser_page, broker_queue, settings, tmp_path, artifacts_dir):
-    settings.MEDIA_ROOT = tmp_path / "media"
     target = f.make_target(slug="browser-target", name="Browser test target")
     protocol = f.make_protocol(target, slug="browser", hardware=QUEUE,
                                tasks=("chat", "code"), batch_sizes=(1, 2, 4), ks=(2, 4))
@@ -159,7 +158,6 @@ def test_sign_up_submit_follow_the_queue_and_see_the_charts(
 
 def test_a_running_runs_cell_shows_on_the_leaderboard_marked_measuring(
         live_server, browser_page, settings, tmp_path, artifacts_dir):
-    settings.MEDIA_ROOT = tmp_path / "media"
     settings.SPECBOARD_LANDING_REFRESH_S = 0   # the page as each cell lands, not per interval
     target = f.make_target(slug="measuring-target", name="Measuring test target")
     protocol = f.make_protocol(target, slug="measuring-browser", hardware=QUEUE,
@@ -204,7 +202,6 @@ def test_the_readme_screenshot_of_the_leaderboard(live_server, browser_page, scr
     landed through the run service as a worker writes them."""
     from leaderboard.services import runs
 
-    settings.MEDIA_ROOT = tmp_path / "media"  # the landed cells' raw records
     target = f.make_target(slug="smollm2-135m-instruct", name="SmolLM2-135M-Instruct")
     protocol = f.make_protocol(target, slug="demo-cpu", hardware="cpu",
                                tasks=("chat", "code"), batch_sizes=(1, 2, 4, 8),

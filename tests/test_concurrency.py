@@ -48,7 +48,6 @@ def test_the_embedded_database_is_in_wal_mode_with_immediate_transactions():
 
 def test_twenty_identical_submissions_at_once_give_one_201_and_nineteen_409(
         live_server, settings, tmp_path):
-    settings.MEDIA_ROOT = tmp_path / "media"
     settings.SPECBOARD_SUBMISSIONS_PER_DAY = 0
     target = f.make_target()
     f.make_protocol(target, slug="pages", tasks=("chat",), batch_sizes=(1,), ks=(2,))

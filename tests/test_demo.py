@@ -192,7 +192,6 @@ def make_target(path, slug="demo-target"):
 
 @pytest.mark.django_db
 def test_missing_target_or_drafter_files_give_a_clear_message(tmp_path, settings):
-    settings.MEDIA_ROOT = tmp_path / "media"
     settings.DATA_DIR = tmp_path / "data"
     target = make_target(tmp_path / "gone")
     with pytest.raises(de.DemoError, match=r"checkpoint folder .*gone is missing"):

@@ -141,7 +141,6 @@ def test_cached_leaderboard_links_never_carry_foreign_parameters(client, setting
 
 @pytest.fixture
 def rejected(settings, tmp_path):
-    settings.MEDIA_ROOT = tmp_path / "media"
     owner = User.objects.create_user("owner")
     target = f.make_target()
     protocol = f.make_protocol(target, slug="pages")

@@ -21,8 +21,7 @@ REPS = 3
 
 
 @pytest.fixture(autouse=True)
-def media(settings, tmp_path):
-    settings.MEDIA_ROOT = tmp_path / "media"
+def no_page_cache(settings):
     settings.SPECBOARD_PAGE_CACHE_SECONDS = 0
 
 

@@ -26,8 +26,7 @@ PROMPTS = ("writing-0", "coding-0", "writing-1", "coding-1")
 
 
 @pytest.fixture(autouse=True)
-def media(settings, tmp_path):
-    settings.MEDIA_ROOT = tmp_path / "media"
+def no_page_cache(settings):
     settings.SPECBOARD_PAGE_CACHE_SECONDS = 0
 
 

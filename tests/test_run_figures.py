@@ -25,7 +25,6 @@ FILTERS = [dict(), dict(task="code"), dict(batch_size=1, temperature=0.0),
 
 @pytest.fixture
 def site(settings, tmp_path):
-    settings.MEDIA_ROOT = tmp_path / "media"  # the landing cells' raw records
     settings.SPECBOARD_PAGE_CACHE_SECONDS = 300
     settings.SPECBOARD_PAGE_CACHE_INCREMENTAL = True
     cache.clear()

@@ -15,7 +15,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.fixture
 def protocol(demo_target_dir, prompt_files, settings, tmp_path):
-    settings.MEDIA_ROOT = tmp_path / "media"
     settings.DATA_DIR = tmp_path / "data"
     target = Target.objects.create(slug="t", name="T", path=str(demo_target_dir),
                                    weights_sha256="0" * 64, vocab_size=49152, hidden_size=576,

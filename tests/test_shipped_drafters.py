@@ -50,7 +50,6 @@ def write_heads(folder: Path, hidden, vocab, heads=4, seed=0, token_map=None, re
 
 @pytest.fixture
 def site(settings, tmp_path):
-    settings.MEDIA_ROOT = tmp_path / "media"
     target = make_target()  # hidden 16, vocab 64
     protocol = make_protocol(target, slug="ship-test", hardware="cpu", ks=(2, 4))
     return target, protocol
@@ -161,7 +160,6 @@ def test_a_bad_shipped_folder_is_refused_with_what_to_fix_and_stores_nothing(sit
 @pytest.mark.django_db
 def test_setup_demo_registers_shipped_drafters_and_queues_them_after_the_ngram_run(
         demo_target_dir, tmp_path, settings, capsys):
-    settings.MEDIA_ROOT = tmp_path / "media"
     settings.SHIPPED_DRAFTERS_DIR = root = tmp_path / "drafters"
     root.mkdir()
     (root / "README.md").write_text("no drafter yet\n")

@@ -30,9 +30,8 @@ VOCAB, HIDDEN, LAYERS = 64, 16, 4
 
 
 @pytest.fixture
-def media(settings, tmp_path):
-    settings.MEDIA_ROOT = tmp_path / "media"
-    return Path(settings.MEDIA_ROOT)
+def media(isolated_media):
+    return Path(isolated_media)
 
 
 @pytest.fixture

@@ -240,7 +240,6 @@ def site(settings, tmp_path, demo_target_dir):
 
     from .factories import make_protocol, make_prompt_set
 
-    settings.MEDIA_ROOT = tmp_path / "media"
     settings.DATA_DIR = tmp_path / "data"
     target, _ = setup.ensure_target("smollm2", "SmolLM2-135M-Instruct", demo_target_dir)
     prompt_set = make_prompt_set("eval-set", categories=("writing",), per_category=3)
