@@ -135,6 +135,18 @@ def database_url_for_subprocess():
     return f"postgres://{auth}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
 
 
+def subprocess_env(**extra):
+    """The environment for a process a test starts (a Celery worker, the demo, a command):
+    this test's database and this test's storage, so that the process reads the run records
+    and outputs the test wrote (isolated_media), not the checkout's var/media."""
+    from django.conf import settings
+
+    env = dict(os.environ, DATABASE_URL=database_url_for_subprocess(),
+               MEDIA_ROOT=str(settings.MEDIA_ROOT), PYTHONUNBUFFERED="1")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
 class WorkerProcess:
     """A real `celery -A leaderboard worker` in its own process group."""
 
@@ -143,8 +155,7 @@ class WorkerProcess:
         import sys
 
         self.log_path = log_path
-        full_env = dict(os.environ, DATABASE_URL=database_url_for_subprocess(),
-                        PYTHONUNBUFFERED="1", **{k: str(v) for k, v in env.items()})
+        full_env = subprocess_env(**env)
         self.log = open(log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "leaderboard", "worker", "-Q", queue, "-c", "1",

@@ -29,7 +29,7 @@ from worker.engines.reference import StepTrace
 from worker.methods import make_proposer
 from worker.processes import stop_process_group
 
-from .conftest import ROOT, database_url_for_subprocess
+from .conftest import ROOT, subprocess_env
 # The training tests' cheap set-up: four conversations of the target, a recipe trained on
 # them in a few steps, and a site with the target and a protocol (fixtures).
 from .test_training import PROMPTS, dataset, site, target, train  # noqa: F401
@@ -340,8 +340,7 @@ def demo_server(tmp_path):
                     "(gradio cannot live beside vllm); run `make install` to create it")
     port = free_port()
     log_path = tmp_path / "demo.log"
-    env = dict(os.environ, DATABASE_URL=database_url_for_subprocess(), PYTHONUNBUFFERED="1",
-               GRADIO_ANALYTICS_ENABLED="False")
+    env = subprocess_env(GRADIO_ANALYTICS_ENABLED="False")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([str(DEMO_PYTHON), "manage.py", "demo", "--host", "127.0.0.1",
                                  "--port", str(port)], cwd=ROOT, env=env, stdout=log,

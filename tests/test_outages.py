@@ -207,7 +207,7 @@ def test_a_broker_restart_mid_run_loses_no_message_and_finishes_each_run_once(
     from leaderboard.models import Result, Run
     from leaderboard.services import runs
 
-    from .conftest import database_url_for_subprocess
+    from .conftest import subprocess_env
     from .test_celery_runs import tiny_protocol, wait_for_cells, wait_for_state
 
     redis = OwnRedis(tmp_path / "redis")
@@ -217,8 +217,7 @@ def test_a_broker_restart_mid_run_loses_no_message_and_finishes_each_run_once(
                                         prompts=4, max_new_tokens=48)
         first = runs.queue_run(protocol, None, send=False)
         second = runs.queue_run(protocol, ngram, send=False)
-        env = {**os.environ, "DATABASE_URL": database_url_for_subprocess(),
-               "CELERY_BROKER_URL": redis.url}
+        env = subprocess_env(CELERY_BROKER_URL=redis.url)
         # Both messages go to this broker; one worker (concurrency 1) takes the first.
         sent = subprocess.run(
             [sys.executable, "manage.py", "shell", "-c",
