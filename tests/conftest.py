@@ -26,7 +26,7 @@ def fresh_cache():
 
 
 @pytest.fixture(autouse=True)
-def isolated_media(settings, tmp_path):
+def media(settings, tmp_path):
     """Each test's storage (uploads, run records, artifacts) is its own folder: a checkout
     whose var/media holds a real site's run records must not feed a test's run of the same
     id (its analysis read those records and drew charts the test did not expect)."""
@@ -138,7 +138,7 @@ def database_url_for_subprocess():
 def subprocess_env(**extra):
     """The environment for a process a test starts (a Celery worker, the demo, a command):
     this test's database and this test's storage, so that the process reads the run records
-    and outputs the test wrote (isolated_media), not the checkout's var/media."""
+    and outputs the test wrote (the `media` fixture), not the checkout's var/media."""
     from django.conf import settings
 
     env = dict(os.environ, DATABASE_URL=database_url_for_subprocess(),

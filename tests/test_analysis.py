@@ -613,11 +613,6 @@ def no_page_cache(settings):
     settings.SPECBOARD_PAGE_CACHE_SECONDS = 0
 
 
-@pytest.fixture
-def media(isolated_media):
-    return isolated_media
-
-
 SIZES = (1, 2, 8)
 DRAFT_COST = 0.002     # the draft model's cost per step; the n-gram drafter's overhead 0.0005
 

@@ -8,7 +8,6 @@ import hashlib
 import io
 import json
 from collections import Counter
-from pathlib import Path
 
 import pytest
 from django.contrib.auth.models import User
@@ -34,11 +33,6 @@ pytestmark = pytest.mark.django_db
 
 
 # ---- data ---------------------------------------------------------------------------
-
-@pytest.fixture
-def media(isolated_media):
-    return Path(isolated_media)
-
 
 @pytest.fixture
 def users():

@@ -29,11 +29,6 @@ def no_page_cache(settings):
 
 
 @pytest.fixture
-def media(isolated_media):
-    return isolated_media
-
-
-@pytest.fixture
 def board():
     target = f.make_target()
     protocol = f.make_protocol(target)

@@ -30,11 +30,6 @@ VOCAB, HIDDEN, LAYERS = 64, 16, 4
 
 
 @pytest.fixture
-def media(isolated_media):
-    return Path(isolated_media)
-
-
-@pytest.fixture
 def user(client):
     u = User.objects.create_user("submitter", password="pw-submit-123")
     client.force_login(u)
