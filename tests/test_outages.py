@@ -144,8 +144,16 @@ def test_a_database_outage_mid_run_loses_and_doubles_no_cell(tmp_path, demo_targ
         assert status == 503 and kind.startswith("application/json")
         detail = json.loads(body)["detail"]
         assert detail[0]["field"] == "database" and "unavailable" in detail[0]["message"]
-        # Keep the database away for a while: the measurement goes on without it.
-        time.sleep(max(0.0, 20 - (time.monotonic() - outage_started)))
+        # Keep the database away until the measurement has reached it (a cell takes 10-50 s,
+        # more on a loaded machine; a fixed outage could end before the next write), and a
+        # while longer: the measurement waits for it instead of failing.
+        measure_log = tmp_path / "measure.log"
+        deadline = time.monotonic() + 600
+        while "database unavailable" not in measure_log.read_text():
+            assert measuring.poll() is None, measure_log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the measurement never reached the database"
+            time.sleep(0.5)
+        time.sleep(max(5.0, 20 - (time.monotonic() - outage_started)))
         assert measuring.poll() is None, "the measurement gave up during the outage"
         pg.start()
 
