@@ -15,11 +15,11 @@ DEMO_PORT ?= 7860
 
 # make demo-drafters: the demo target's shared training data (written by vLLM) and the
 # recipes of the shipped demo drafters; make ship-drafters copies them into drafters/.
-DEMO_TRAIN_N ?= 1024
-DEMO_TRAIN_DATA ?= demo-chat-1k
+DEMO_TRAIN_N ?= 2048
+DEMO_TRAIN_DATA ?= demo-chat-2k
 DEMO_TRAIN_SEED ?= 0
-# About four passes over 1024 conversations at 4 a step.
-DEMO_TRAIN_STEPS ?= 1000
+# About four passes over 2048 conversations at 4 a step.
+DEMO_TRAIN_STEPS ?= 2000
 DEMO_RECIPES ?= eagle medusa_reduced_vocab
 
 .PHONY: install run test migrate setup-demo worker web demo clean-var demo-drafters ship-drafters system-packages
