@@ -202,6 +202,54 @@ def test_recipe_loss_falls_and_checkpoint_loads_losslessly(recipe, steps, demo_t
         assert summary["final_top1"] > 0.5, summary
 
 
+def test_hidden_layers_are_the_residual_stream_after_that_many_layers(target):
+    from worker.engines.reference import rope_tables
+    from worker.heads import layer_train
+
+    model, _ = target
+    ids = torch.tensor([[1, 504, 3458, 28, 2]])
+    n, width = model.config.num_layers, model.config.hidden_size
+    _, last = model(ids, model.new_cache(1, 8), return_hidden=True)
+    logits, aux = model(ids, model.new_cache(1, 8), return_hidden=True, hidden_layers=(0, 1, n))
+    assert aux.shape == (1, 5, 3 * width)
+    embeds = model.embed_tokens(ids)
+    assert torch.equal(aux[..., :width], embeds)
+    cos, signed_sin = rope_tables(model.inv_freq, torch.arange(5)[None], embeds.dtype)
+    after_one, _ = layer_train(model.layers[0], embeds, cos, signed_sin)
+    assert torch.allclose(aux[..., width:2 * width], after_one, atol=1e-4)
+    assert torch.allclose(model.norm(aux[..., 2 * width:]), last, atol=1e-5)
+    assert torch.allclose(logits, model.logits(last))   # the logits are the model's own
+
+
+def test_eagle3_head_learns_from_three_layers_over_a_reduced_vocabulary(
+        train, dataset, demo_target_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    summary = train("eagle3", tmp_path / "e3", 40, lr=3e-3, options={"draft_vocab": 300})
+    assert summary["final_loss"] < 0.8 * summary["first_loss"], summary
+    assert summary["final_top1"] > 0.5, summary
+    assert summary["options"]["feature_layers"] == [2, 15, 27]
+    folder = Path(summary["drafter_dir"])
+    uploads = [Upload(p.name, p, p.stat().st_size) for p in sorted(folder.iterdir())]
+    with validate_checkpoint(uploads, "eagle3", TargetFacts.from_config(demo_target_dir),
+                             max_total_bytes=1 << 30) as ckpt:
+        assert ckpt.parameter_count > 0
+    # The draft vocabulary is the data's most frequent answer tokens, mapped by d2t.
+    records = read_dataset(dataset[0])
+    answers = torch.cat([torch.tensor(r["input_ids"][r["prompt_len"]:]) for r in records])
+    counts = torch.bincount(answers)
+    config = json.loads((folder / "config.json").read_text())
+    size = config["draft_vocab_size"]
+    assert size == min(300, int((counts > 0).sum()))
+    tensors = load_file(str(folder / "model.safetensors"))
+    target_ids = torch.arange(size) + tensors["d2t"]
+    assert tensors["lm_head.weight"].shape[0] == size
+    assert set(target_ids.tolist()) == set(torch.argsort(counts, descending=True,
+                                                         stable=True)[:size].tolist())
+    assert summary["options"]["answer_token_coverage"] == pytest.approx(
+        float(counts[target_ids].sum() / counts.sum()), abs=1e-4)
+
+
 def test_trained_heads_sample_at_temperature(train, engine, tmp_path):
     summary = train("eagle", tmp_path / "e", 4)
     ids = [engine.encode_chat(PROMPTS[0])]

@@ -82,3 +82,46 @@ def test_vllm_serves_a_reduced_vocabulary_medusa_head_losslessly(
     for c in drafted:
         assert c.figures["drafts"] > 0 and c.checks["failed"] == []
         assert lossless_share(c.outputs, baseline[(c.cell.task, c.cell.batch_size)]) == 1.0
+
+
+def test_vllm_serves_a_trained_eagle3_head_reading_the_right_layers(
+        written, demo_target_dir, tmp_path):
+    """An EAGLE-3 head overfitted on the target's answers to PROMPTS, measured by vLLM on
+    those prompts: lossless, and accepting most of what it drafts. A head fed other layers
+    than it was trained on, or misaligned positions, would be accepted about as rarely as
+    an untrained one (AL near 1)."""
+    import json
+
+    from worker.prompts import file_sha256
+    from worker.protocol import ProtocolSpec, TaskSpec
+    from worker.training.data import write_dataset
+
+    data = tmp_path / "conversations.jsonl"
+    write_dataset(written[0], data)
+    summary = train_recipe("eagle3", demo_target_dir, data, "t" * 64, tmp_path / "train",
+                           steps=80, lr=3e-3, progress=False,
+                           options={"unroll": 2, "draft_vocab": 512}, say=lambda m: None)
+    assert summary["final_top1"] > 0.8, summary
+    config = json.loads((tmp_path / "train" / "drafter" / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": i, "category": "chat", "turns": [p]})
+                               + "\n" for i, p in enumerate(PROMPTS)))
+    spec = ProtocolSpec(
+        slug="eagle3-test", version=1, target="SmolLM2-135M-Instruct", target_sha256="",
+        engine="vllm", hardware="cpu",
+        tasks=(TaskSpec("chat", "training-prompts", file_sha256(prompts), len(PROMPTS)),),
+        temperatures=(0.0,), max_new_tokens=24, seed=0, batch_sizes=(1,), ks=(3,),
+        warmup_requests=1, repetitions=1, baseline="paired")
+    protocol = tmp_path / "protocol.json"
+    protocol.write_text(json.dumps({**spec.to_dict(), "prompts": {
+        "chat": {"path": str(prompts), "format": "spec-bench"}}}))
+    job = _job(protocol, demo_target_dir, DrafterSpec("eagle3", summary["drafter_dir"]))
+    cells = [e for e in iter_cells(job) if isinstance(e, CellResult)]
+    baseline = [c for c in cells if c.cell.k == 0]
+    drafted = [c for c in cells if c.cell.k == 3]
+    assert len(baseline) == len(drafted) == 1
+    f = drafted[0].figures
+    assert f["drafts"] > 0 and drafted[0].checks["failed"] == []
+    assert lossless_share(drafted[0].outputs, baseline[0].outputs) == 1.0
+    assert f["acceptance_length"] > 2.0, f

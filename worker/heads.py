@@ -11,6 +11,12 @@ where h[p] is the target's last hidden state (after the final norm) at p, and it
 with no final norm, goes through the target's lm_head to propose t[p+2]; the next draft
 step feeds that output back as the feature of position p+1.
 
+EAGLE-3 (vLLM ``Eagle3LlamaForCausalLM``, llama_eagle3.py; ``Eagle3Head``, trained here and
+served by vLLM only): ``architectures: ["LlamaForCausalLMEagle3"]``, tensors ``fc.weight``
+[hidden, 3 * hidden] over the target's layers ``eagle_aux_hidden_state_layer_ids``,
+``midlayer.*`` (its attention reads 2 x hidden), ``norm.weight``, its own ``lm_head.weight``
+[draft_vocab_size, hidden] and ``d2t`` (target id - draft id).
+
 Medusa (vLLM ``MedusaModel``, model_executor/models/medusa.py): config.json with
 ``hidden_size``, ``vocab_size``, ``num_heads``, ``num_hidden_layers`` (residual layers per
 head) and ``original_lm_head: true`` (one lm_head shared by every head, here the target's
@@ -26,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.engines.reference import (DecoderLayer, KVCache, LlamaConfig, apply_rope,
+from worker.engines.reference import (DecoderLayer, KVCache, LlamaConfig, RMSNorm, apply_rope,
                                       attention_mask, rope_inverse_frequencies, rope_tables)
 
 
@@ -147,6 +153,69 @@ class EagleHead(nn.Module):
         (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file({k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()},
                   str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+class Eagle3Head(nn.Module):
+    """An EAGLE-3 head in vLLM's layout (``Eagle3LlamaForCausalLM``,
+    model_executor/models/llama_eagle3.py), for training; vLLM serves it (the reference
+    engine has no EAGLE-3 proposer).
+
+    It reads the target's residual stream after ``aux_layers`` (vLLM's auxiliary hidden
+    states, concatenated), fuses them with ``fc`` to one hidden state g[p], and runs one
+    decoder layer (``midlayer``) whose attention takes cat(input_layernorm(embed(t[p+1])),
+    hidden_norm(g[p])) (2 x hidden wide) with g[p] as the residual; a final ``norm`` and
+    its own ``lm_head`` over a draft vocabulary give the proposal for t[p+2]. The output
+    before the final norm is fed back as g of the next draft step. ``d2t[j]`` is target id
+    minus draft id j, as vLLM reads it; ``embed_tokens`` is the target's (not saved)."""
+
+    method = "eagle3"
+
+    def __init__(self, config: LlamaConfig, aux_layers: tuple[int, ...], draft_ids: torch.Tensor):
+        super().__init__()
+        self.config, self.aux_layers = config, tuple(aux_layers)
+        h = config.hidden_size
+        self.fc = nn.Linear(len(self.aux_layers) * h, h, bias=False)
+        self.midlayer = DecoderLayer(config)
+        attn = self.midlayer.self_attn
+        for name, heads in (("q_proj", attn.num_heads), ("k_proj", attn.num_kv_heads),
+                            ("v_proj", attn.num_kv_heads)):
+            setattr(attn, name, nn.Linear(2 * h, heads * attn.head_dim, bias=config.attention_bias))
+        self.midlayer.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, len(draft_ids), bias=False)
+        self.register_buffer("draft_ids", draft_ids.long().clone(), persistent=False)
+        self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+
+    def train_forward(self, embeds, hidden, positions, mask=None, past=()):
+        """Training: the output before the final norm [B, T, hidden] and the layer's (keys,
+        values), for token embeddings and g [B, T, hidden] (``fc`` of the target's features
+        at the first step, the previous step's output after it); ``mask`` and ``past`` as
+        in ``attention_train``."""
+        layer = self.midlayer
+        cos, signed_sin = rope_tables(self.inv_freq, positions, hidden.dtype)
+        fused = torch.cat((layer.input_layernorm(embeds), layer.hidden_norm(hidden)), dim=-1)
+        attn_out, kv = attention_train(layer.self_attn, fused, cos, signed_sin, mask, past)
+        x = hidden + attn_out
+        return x + layer.mlp(layer.post_attention_layernorm(x)), kv
+
+    def logits(self, out):
+        """Logits over the draft vocabulary for outputs of ``train_forward``."""
+        return self.lm_head(self.norm(out))
+
+    def save(self, out_dir: Path, target_hf: dict, dtype=torch.float32):
+        from safetensors.torch import save_file
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        config = eagle_config_from_target(target_hf, 1)
+        config.update(architectures=["LlamaForCausalLMEagle3"],
+                      draft_vocab_size=len(self.draft_ids),
+                      target_hidden_size=self.config.hidden_size,
+                      eagle_aux_hidden_state_layer_ids=list(self.aux_layers),
+                      torch_dtype=str(dtype).removeprefix("torch."))
+        (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        tensors = {k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()}
+        tensors["d2t"] = (self.draft_ids - torch.arange(len(self.draft_ids))).contiguous()
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
 # ----------------------------------------------------------------------------- Medusa

@@ -347,13 +347,18 @@ class Llama(nn.Module):
         return head(hidden).float()
 
     @torch.no_grad()
-    def forward(self, input_ids, cache: KVCache, rows=None, logits_at=None, return_hidden=False):
+    def forward(self, input_ids, cache: KVCache, rows=None, logits_at=None, return_hidden=False,
+                hidden_layers: tuple[int, ...] = ()):
         """Logits [R, T or P, vocab] in float32 for ``input_ids`` [R, T] appended to the cached
         tokens of the cache rows ``rows`` (all rows when None). ``logits_at`` [R, P] picks
         the input positions whose logits are wanted (all when None). Nothing is committed.
         ``return_hidden``: also return the last hidden states after the final norm, [R, T,
         hidden], for every input position (what EAGLE and Medusa heads read); off by
-        default so plain decoding normalises only the positions it needs."""
+        default so plain decoding normalises only the positions it needs. With
+        ``hidden_layers`` the hidden states returned are instead the residual stream after
+        each of those numbers of decoder layers, concatenated [R, T, len * hidden]: vLLM's
+        auxiliary hidden states, what an EAGLE-3 head reads (layer id L is the output of
+        layer L - 1, 0 the embeddings)."""
         num_rows, length = input_ids.shape
         device = input_ids.device
         row_index = torch.arange(cache.batch_size, device=device) if rows is None else rows
@@ -366,15 +371,19 @@ class Llama(nn.Module):
         mask = attention_mask(positions, num_slots, x.dtype)
         cos, signed_sin = rope_tables(self.inv_freq, positions, x.dtype)
         write_rows = row_index[:, None]
+        taken = {}
         for i, layer in enumerate(self.layers):
+            if i in hidden_layers:
+                taken[i] = x
             x = layer(x, cos, signed_sin, cache.k[i], cache.v[i], write_rows, positions, rows,
                       num_slots, mask)
+        taken[len(self.layers)] = x
         if return_hidden:
-            hidden = self.norm(x)
+            last = self.norm(x)
+            hidden = torch.cat([taken[i] for i in hidden_layers], dim=-1) if hidden_layers else last
             if logits_at is not None:
-                hidden_at = hidden.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
-                return self.logits(hidden_at), hidden
-            return self.logits(hidden), hidden
+                last = last.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
+            return self.logits(last), hidden
         if logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
         return self.logits(self.norm(x))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -48,8 +49,22 @@ def train_recipe(recipe_name, target_dir, dataset_file, target_sha256, out_dir, 
     torch.manual_seed(seed)  # the head's initial weights
     target, target_hf = target or load_target(target_dir)
     recipe = build_recipe(recipe_name, target, target_hf, **options)
-    say(f"[{recipe_name}] target hidden states for the training data ...")
-    data = load_training_data(dataset_file, target, target_sha256)
+    which = f" after layers {', '.join(map(str, recipe.feature_layers))}" if recipe.feature_layers else ""
+    say(f"[{recipe_name}] target hidden states{which} for the training data "
+        "(computed once per dataset and cached beside it) ...")
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        def show(event):
+            nonlocal bar
+            _, done, total = event
+            bar = bar or tqdm(total=total, desc="hidden states", unit="conv", file=sys.stderr)
+            bar.update(done - bar.n)
+    data = load_training_data(dataset_file, target, target_sha256, layers=recipe.feature_layers,
+                              progress=show if progress else None)
+    if bar is not None:
+        bar.close()
     held = None
     if heldout:
         data, held = data.split(heldout)

@@ -367,20 +367,23 @@ class TrainingData:
                 "prompt_lens": torch.tensor([self.prompt_lens[i] for i in indices])}
 
 
-def features_path(dataset_path: Path, target_sha256: str) -> Path:
-    return Path(dataset_path).with_name(f"features-{target_sha256[:16]}.safetensors")
+def features_path(dataset_path: Path, target_sha256: str, layers: tuple[int, ...] = ()) -> Path:
+    which = "-layers-" + "-".join(map(str, layers)) if layers else ""
+    return Path(dataset_path).with_name(f"features-{target_sha256[:16]}{which}.safetensors")
 
 
 def load_training_data(dataset_path, target_model, target_sha256: str, batch_size: int = 8,
-                       progress=None) -> TrainingData:
-    """The dataset with the target's hidden states, computed once and cached next to it."""
+                       progress=None, layers: tuple[int, ...] = ()) -> TrainingData:
+    """The dataset with the target's hidden states, computed once and cached next to it:
+    the last ones (after the final norm), or with ``layers`` the residual stream after
+    each of those numbers of layers, concatenated (an EAGLE-3 head's input)."""
     from safetensors.torch import load_file, save_file
 
     dataset_path = Path(dataset_path)
     sha = file_sha256(dataset_path)
     records = read_dataset(dataset_path)
     ids = [torch.tensor(r["input_ids"], dtype=torch.long) for r in records]
-    cache = features_path(dataset_path, target_sha256)
+    cache = features_path(dataset_path, target_sha256, layers)
     hidden = None
     if cache.is_file():
         stored = load_file(str(cache))
@@ -389,7 +392,7 @@ def load_training_data(dataset_path, target_model, target_sha256: str, batch_siz
         if meta_ok and stored["hidden"].shape[0] == sum(len(t) for t in ids):
             hidden = stored["hidden"]
     if hidden is None:
-        hidden = compute_hidden_states(target_model, ids, batch_size, progress)
+        hidden = compute_hidden_states(target_model, ids, batch_size, progress, layers)
         tmp = cache.with_suffix(".part")
         save_file({"hidden": hidden.contiguous(),
                    "dataset_sha256": torch.tensor(list(sha.encode()), dtype=torch.uint8)}, str(tmp))
@@ -402,8 +405,10 @@ def load_training_data(dataset_path, target_model, target_sha256: str, batch_siz
 
 
 @torch.no_grad()
-def compute_hidden_states(model, ids, batch_size=8, progress=None) -> torch.Tensor:
-    """The target's last hidden states (after the final norm) for every token, bfloat16."""
+def compute_hidden_states(model, ids, batch_size=8, progress=None,
+                          layers: tuple[int, ...] = ()) -> torch.Tensor:
+    """The target's last hidden states (after the final norm) for every token, bfloat16; with
+    ``layers``, its residual stream after those numbers of layers, concatenated."""
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # similar lengths pad less
     out = [None] * len(ids)
     for start in range(0, len(order), batch_size):
@@ -414,7 +419,7 @@ def compute_hidden_states(model, ids, batch_size=8, progress=None) -> torch.Tens
             batch[row, :len(ids[i])] = ids[i]
         cache = model.new_cache(len(chunk), width)
         _, hidden = model(batch, cache, logits_at=torch.zeros(len(chunk), 1, dtype=torch.long),
-                          return_hidden=True)
+                          return_hidden=True, hidden_layers=tuple(layers))
         for row, i in enumerate(chunk):
             out[i] = hidden[row, :len(ids[i])].to(torch.bfloat16)
         if progress:

@@ -20,6 +20,10 @@ engines load (config.json + model.safetensors) that passes worker/checkpoint.
 - ``medusa_reduced_vocab``: the same heads drafting over the ``draft_vocab`` most frequent
   answer tokens of the data (vLLM's ``truncated_vocab_size`` + ``token_map``): the cheap-
   drafting route, whose lm_head product shrinks about twelvefold at 4096 tokens.
+- ``eagle3``: an EAGLE-3 head (worker/heads.py): three of the target's layers fused, one
+  decoder layer, its own lm_head over the ``draft_vocab`` most frequent answer tokens (the
+  ``d2t`` map vLLM reads), trained on the token alone (cross-entropy against the target's
+  greedy token), unrolled ``unroll`` steps on its own outputs (training-time test).
 
 Loss positions are the answer's tokens; the prompt is context only. Every softmax runs
 over the training data's vocabulary (the tokens that occur in it, a few thousand of the
@@ -36,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.engines.reference import Llama, LlamaConfig, rope_tables
-from worker.heads import EagleHead, MedusaHeads, layer_train
+from worker.heads import Eagle3Head, EagleHead, MedusaHeads, layer_train
 
 SAVE_DTYPE = torch.bfloat16  # as the demo target is stored; engines upcast
 
@@ -53,11 +57,23 @@ def _soft_cross_entropy(logits, target_logits):
     return -(torch.softmax(target_logits, -1) * torch.log_softmax(logits, -1)).sum(-1).mean()
 
 
+def frequent_answer_tokens(data, count: int, vocab_size: int) -> tuple[torch.Tensor, float]:
+    """The ``count`` most frequent answer tokens of the data (sorted ids) and the share of
+    answer tokens they cover: a reduced draft vocabulary."""
+    if data is None:
+        raise ValueError("the reduced vocabulary is chosen from the training data")
+    counts = data.answer_token_counts(vocab_size)
+    top = torch.argsort(counts, descending=True, stable=True)[:count]
+    top = top[counts[top] > 0].sort().values
+    return top, float(counts[top].sum() / counts.sum())
+
+
 class Recipe:
     name = ""
     method = ""
     summary = ""  # one line: what it trains (the recipe page and docs/recipes.md show it)
     defaults: dict = {}
+    feature_layers: tuple[int, ...] = ()  # the target's hidden states it reads (data.py)
 
     def __init__(self, target: Llama, target_hf: dict):
         self.target, self.target_hf = target, target_hf
@@ -293,12 +309,8 @@ class MedusaReducedVocabRecipe(MedusaRecipe):
         self.coverage = None
 
     def set_vocabulary(self, vocab_ids, data=None):
-        if data is None:
-            raise ValueError("the reduced vocabulary is chosen from the training data")
-        counts = data.answer_token_counts(self.target.config.vocab_size)
-        top = torch.argsort(counts, descending=True, stable=True)[:self.draft_vocab]
-        top = top[counts[top] > 0].sort().values
-        self.coverage = float(counts[top].sum() / counts.sum())
+        top, self.coverage = frequent_answer_tokens(data, self.draft_vocab,
+                                                    self.target.config.vocab_size)
         super().set_vocabulary(top)
         full = self.module.lm_head.weight.detach()
         self.module.token_map = top.clone()
@@ -314,14 +326,92 @@ class MedusaReducedVocabRecipe(MedusaRecipe):
                 "answer_token_coverage": round(self.coverage, 4)}
 
 
+class Eagle3Recipe(Recipe):
+    """EAGLE-3 as its paper trains it, at this project's scale: the head reads the target's
+    low, middle and high layers (vLLM's default for Llama targets: after 2, L/2 and L - 3
+    of L layers), predicts tokens only (no feature regression), drafts over the data's most
+    frequent answer tokens with its own lm_head (started from those rows of the target's),
+    and is unrolled on its own outputs (training-time test, the attention as in
+    ``eagle_multistep``). Labels are the target's greedy tokens, which the answers are."""
+
+    name = method = "eagle3"
+    summary = ("an EAGLE-3 head: three of the target's layers fused, one decoder layer and its "
+               "own lm_head over the data's most frequent answer tokens, trained on tokens, "
+               "unrolled on its own outputs")
+    defaults = {"lr": 1e-3, "batch_size": 4, "unroll": 2, "draft_vocab": 4096}
+
+    def __init__(self, target, target_hf, unroll: int = 2, draft_vocab: int = 4096):
+        super().__init__(target, target_hf)
+        if not 1 <= unroll <= 8:
+            raise ValueError(f"unroll must be in 1..8, got {unroll}")
+        if not 1 <= draft_vocab <= target.config.vocab_size:
+            raise ValueError(f"draft_vocab must be in 1..{target.config.vocab_size}, "
+                             f"got {draft_vocab}")
+        layers = target.config.num_layers
+        self.feature_layers = (2, layers // 2, layers - 3)
+        self.unroll, self.draft_vocab, self.coverage = unroll, draft_vocab, None
+        config = LlamaConfig.from_hf({**target_hf, "num_hidden_layers": 1})
+        self.module = Eagle3Head(config, self.feature_layers, torch.arange(draft_vocab))
+        scale = 0.02 / 2 ** 0.5   # small output projections, as the EAGLE recipe
+        nn.init.normal_(self.module.midlayer.self_attn.o_proj.weight, std=scale)
+        nn.init.normal_(self.module.midlayer.mlp.down_proj.weight, std=scale)
+        with torch.no_grad():
+            self.module.norm.weight.copy_(target.norm.weight)
+
+    def set_vocabulary(self, vocab_ids, data=None):
+        top, self.coverage = frequent_answer_tokens(data, self.draft_vocab,
+                                                    self.target.config.vocab_size)
+        super().set_vocabulary(top)
+        self.module.draft_ids = top.clone()
+        self.module.lm_head = nn.Linear(self.target.config.hidden_size, len(top), bias=False)
+        self.module.lm_head.weight = nn.Parameter(self.target.lm_head.weight.detach()[top].clone())
+
+    def loss(self, batch):
+        ids, feats = batch["ids"], batch["hidden"]
+        b, t = ids.shape
+        width = t - 1  # position p reads t[p + 1] and the target's layers at p
+        head = self.module
+        embeds = self.target.embed_tokens(ids[:, 1:])
+        positions = torch.arange(width)[None].expand(b, -1)
+        goal = torch.zeros(b, width, dtype=torch.long)
+        goal[:, :width - 1] = ids[:, 2:]          # ... and proposes t[p + 2]
+        labels = self.labels(goal)
+        valid = _answer_mask(batch, width, 2)
+        total, top1, past, out = 0.0, None, [], None
+        for s in range(self.unroll):
+            if s == 0:
+                inputs, mask = head.fc(feats[:, :-1]), None
+            else:  # its own output at p - 1 in place of the target's features
+                inputs = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], dim=1)
+                mask = _unrolled_mask(width, s)
+            out, kv = head.train_forward(embeds, inputs, positions, mask, past)
+            past.append(kv)
+            step = valid & (torch.arange(width)[None] >= s)
+            if not step.any():
+                break
+            logits = head.logits(out[step])
+            total = total + F.cross_entropy(logits, labels[step], ignore_index=-1)
+            if s == 0:  # a label outside the draft vocabulary is a miss
+                top1 = float((head.draft_ids[logits.argmax(-1)] == goal[step]).float().mean())
+        return total / self.unroll, {"top1": top1 or 0.0}
+
+    def save(self, out_dir: Path):
+        self.module.save(out_dir, self.target_hf, SAVE_DTYPE)
+
+    def describe(self):
+        return {"unroll": self.unroll, "draft_vocab": len(self.module.draft_ids),
+                "feature_layers": list(self.feature_layers),
+                "answer_token_coverage": None if self.coverage is None else round(self.coverage, 4)}
+
+
 RECIPES = {r.name: r for r in (DraftModelRecipe, EagleRecipe, EagleMultistepRecipe, MedusaRecipe,
-                               MedusaReducedVocabRecipe)}
+                               MedusaReducedVocabRecipe, Eagle3Recipe)}
 
 # Default steps, sized for the demo set (128 conversations, 32 batches a pass; about 20
 # passes for the heads): with the data, all four train in about an hour on 2 busy cores.
 # eagle_multistep takes eagle's steps so that only the objective differs.
 DEMO_STEPS = {"draft_model": 300, "eagle": 600, "eagle_multistep": 600, "medusa": 600,
-              "medusa_reduced_vocab": 600}
+              "medusa_reduced_vocab": 600, "eagle3": 600}
 
 
 def build_recipe(name: str, target: Llama, target_hf: dict, **options):

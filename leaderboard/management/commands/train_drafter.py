@@ -21,10 +21,11 @@ class Command(BaseCommand):
         parser.add_argument("--batch-size", type=int)
         parser.add_argument("--lr", type=float)
         parser.add_argument("--layers", type=int, help="draft_model: target layers kept (default 4)")
-        parser.add_argument("--unroll", type=int, help="eagle_multistep: steps unrolled (default 3)")
+        parser.add_argument("--unroll", type=int, help="eagle_multistep, eagle3: steps unrolled "
+                            "(default 3, resp. 2)")
         parser.add_argument("--heads", type=int, help="medusa, medusa_reduced_vocab: number of "
                             "heads (default: the protocol's largest k, at least 3)")
-        parser.add_argument("--draft-vocab", type=int, help="medusa_reduced_vocab: the most "
+        parser.add_argument("--draft-vocab", type=int, help="medusa_reduced_vocab, eagle3: the most "
                             "frequent answer tokens it drafts over (default 4096)")
         parser.add_argument("--out", help="training folder (default: DATA_DIR/training-runs/...)")
         parser.add_argument("--resume", action="store_true", help="continue from the folder's checkpoint")
@@ -45,7 +46,8 @@ class Command(BaseCommand):
         options = {"layers": o["layers"], "unroll": o["unroll"], "heads": o["heads"],
                    "draft_vocab": o["draft_vocab"]}
         allowed = {"draft_model": {"layers"}, "eagle": set(), "eagle_multistep": {"unroll"},
-                   "medusa": {"heads"}, "medusa_reduced_vocab": {"heads", "draft_vocab"}}[recipe]
+                   "medusa": {"heads"}, "medusa_reduced_vocab": {"heads", "draft_vocab"},
+                   "eagle3": {"unroll", "draft_vocab"}}[recipe]
         wrong = [k for k, v in options.items() if v is not None and k not in allowed]
         if wrong:
             raise CommandError(f"--{wrong[0]} does not apply to the {recipe} recipe")
