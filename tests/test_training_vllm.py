@@ -87,9 +87,9 @@ def test_vllm_serves_a_reduced_vocabulary_medusa_head_losslessly(
 def test_vllm_serves_a_trained_eagle3_head_reading_the_right_layers(
         written, demo_target_dir, tmp_path):
     """An EAGLE-3 head overfitted on the target's answers to PROMPTS, measured by vLLM on
-    those prompts: lossless, and accepting most of what it drafts. A head fed other layers
-    than it was trained on, or misaligned positions, would be accepted about as rarely as
-    an untrained one (AL near 1)."""
+    those prompts: lossless, and accepting most of what it drafts (AL 2.89 on 2026-12-02).
+    The same head with other layers named in its config (5, 10, 20), so that vLLM feeds it
+    features it was not trained on, reached AL 2.00: the bound sits between the two."""
     import json
 
     from worker.prompts import file_sha256
@@ -124,4 +124,4 @@ def test_vllm_serves_a_trained_eagle3_head_reading_the_right_layers(
     f = drafted[0].figures
     assert f["drafts"] > 0 and drafted[0].checks["failed"] == []
     assert lossless_share(drafted[0].outputs, baseline[0].outputs) == 1.0
-    assert f["acceptance_length"] > 2.0, f
+    assert f["acceptance_length"] > 2.5, f
