@@ -371,15 +371,15 @@ class Llama(nn.Module):
         mask = attention_mask(positions, num_slots, x.dtype)
         cos, signed_sin = rope_tables(self.inv_freq, positions, x.dtype)
         write_rows = row_index[:, None]
-        taken = {}
+        taken = {}  # residual streams asked for by hidden_layers, by layers applied
         for i, layer in enumerate(self.layers):
-            if i in hidden_layers:
+            if hidden_layers and i in hidden_layers:
                 taken[i] = x
             x = layer(x, cos, signed_sin, cache.k[i], cache.v[i], write_rows, positions, rows,
                       num_slots, mask)
-        taken[len(self.layers)] = x
         if return_hidden:
             last = self.norm(x)
+            taken[len(self.layers)] = x
             hidden = torch.cat([taken[i] for i in hidden_layers], dim=-1) if hidden_layers else last
             if logits_at is not None:
                 last = last.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))

@@ -189,11 +189,7 @@ class EagleRecipe(Recipe):
         past = [[] for _ in self.module.layers]
         out = None
         for s in range(self.unroll):
-            if s == 0:
-                inputs, mask = feats, None
-            else:  # fed its own prediction of h[p] (made at p - 1) instead of the target's
-                inputs = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], dim=1)
-                mask = _unrolled_mask(width, s)
+            inputs, mask = (feats, None) if s == 0 else _unrolled_inputs(out, width, s)
             out, kvs = self.module.train_forward(embeds, inputs, positions, mask, past)
             for layer_past, kv in zip(past, kvs):
                 layer_past.append(kv)
@@ -228,6 +224,13 @@ class EagleMultistepRecipe(EagleRecipe):
         if unroll < 2:
             raise ValueError("eagle_multistep unrolls at least 2 steps (use the eagle recipe for 1)")
         super().__init__(target, target_hf, unroll=unroll)
+
+
+def _unrolled_inputs(out: torch.Tensor, width: int, s: int):
+    """Inputs and attention mask of unrolled step s >= 1: at p, the head's own output of the
+    previous step at p - 1 (its prediction made there) in place of the target's feature."""
+    inputs = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], dim=1)
+    return inputs, _unrolled_mask(width, s)
 
 
 def _unrolled_mask(width: int, s: int) -> torch.Tensor:
@@ -379,11 +382,8 @@ class Eagle3Recipe(Recipe):
         valid = _answer_mask(batch, width, 2)
         total, top1, past, out = 0.0, None, [], None
         for s in range(self.unroll):
-            if s == 0:
-                inputs, mask = head.fc(feats[:, :-1]), None
-            else:  # its own output at p - 1 in place of the target's features
-                inputs = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], dim=1)
-                mask = _unrolled_mask(width, s)
+            inputs, mask = (head.fc(feats[:, :-1]), None) if s == 0 else \
+                _unrolled_inputs(out, width, s)
             out, kv = head.train_forward(embeds, inputs, positions, mask, past)
             past.append(kv)
             step = valid & (torch.arange(width)[None] >= s)
