@@ -106,6 +106,15 @@ def test_generation_resumes_after_its_last_round_and_larger_n_extends_it(engine,
         engine, GenerationSettings(n=1, max_answer_tokens=6, batch_size=1), prompts=PROMPTS,
         checkpoint=folder)
     assert fewer == first[:1] and stats["prefix_of"] == 3
+    # A prefix read while a larger generation appends its next round (written, its state
+    # not yet) reads around that round and leaves the file to the writer.
+    with open(folder / "rounds.jsonl", "a") as f:
+        f.write(json.dumps({**first[0], "id": 3, "assistant": "being appended"}) + "\n")
+    on_disk = (folder / "rounds.jsonl").read_text()
+    fewer, _ = generate_conversations(
+        engine, GenerationSettings(n=2, max_answer_tokens=6, batch_size=1), prompts=PROMPTS,
+        checkpoint=folder)
+    assert fewer == first and (folder / "rounds.jsonl").read_text() == on_disk
     with pytest.raises(TrainingDataError, match="other settings"):
         generate_conversations(engine, GenerationSettings(n=2, max_answer_tokens=7, batch_size=1),
                                prompts=PROMPTS, checkpoint=folder)

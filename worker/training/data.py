@@ -208,9 +208,12 @@ class _Progress:
             for line in f:
                 rows.append(json.loads(line))
         if len(rows) > saved["records"]:
-            # A round written after the last state (stopped in between) is done again.
+            # A round written after the last state: stopped in between (done again), or
+            # another generation is appending it now. Only a call that will append itself
+            # cuts it from the file; a prefix read must never write.
             rows = rows[:saved["records"]]
-            write_dataset(rows, state.folder / "rounds.jsonl")
+            if state.n > len(rows):
+                write_dataset(rows, state.folder / "rounds.jsonl")
         state.stats.update(saved["stats"], resumed_at=len(rows))
         state.attempt = saved["attempt"]
         if len(rows) > state.n:
