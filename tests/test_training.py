@@ -69,6 +69,34 @@ def check_prompts(engine):
     return ids, [r.output_ids for r in engine.generate(ids, max_new_tokens=20)]
 
 
+def test_one_generation_appends_to_a_folder_at_a_time_and_a_prefix_read_never_waits(
+        engine, tmp_path, capfd):
+    import threading
+
+    from worker.hostlock import HostLock
+
+    folder = tmp_path / "rounds"
+    first, _ = generate_conversations(engine, GenerationSettings(n=2, max_answer_tokens=6,
+                                                                 batch_size=1),
+                                      prompts=PROMPTS, checkpoint=folder)
+    done = {}
+    more = threading.Thread(target=lambda: done.setdefault("more", generate_conversations(
+        engine, GenerationSettings(n=3, max_answer_tokens=6, batch_size=1), prompts=PROMPTS,
+        checkpoint=folder)))
+    with HostLock(folder / "writer.lock", log=lambda m: None, what="another generation"):
+        more.start()
+        more.join(timeout=2)
+        assert more.is_alive() and "more" not in done   # waits for the generation holding it
+        assert "waiting for the generation lock" in capfd.readouterr().err
+        fewer, _ = generate_conversations(   # a smaller size reads without the lock
+            engine, GenerationSettings(n=1, max_answer_tokens=6, batch_size=1),
+            prompts=PROMPTS, checkpoint=folder)
+        assert fewer == first[:1]
+    more.join(timeout=120)
+    records, stats = done["more"]
+    assert records[:2] == first and len(records) == 3 and stats["resumed_at"] == 2
+
+
 def test_the_target_writes_seeded_distinct_questions_and_answers_them(engine):
     # One batch of 8 samples usually holds 2 finished questions: one round of sampling.
     settings = GenerationSettings(n=2, seed=3, max_question_tokens=48, max_answer_tokens=4,

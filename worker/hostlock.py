@@ -35,10 +35,13 @@ def _try_lock(fd) -> bool:
 class HostLock:
     """Hold the host lock at ``path`` for the ``with`` block; blocks while another process
     holds it, logging once "waiting for the host lock held by pid N (what)". ``what`` is
-    written into the file with the pid (default: this process's command line)."""
+    written into the file with the pid (default: this process's command line); ``name`` is
+    what the message calls the lock (the same kind of lock guards other single-writer work)."""
 
-    def __init__(self, path, log=print, poll_s: float = DEFAULT_POLL_S, what: str | None = None):
+    def __init__(self, path, log=print, poll_s: float = DEFAULT_POLL_S, what: str | None = None,
+                 name: str = "host lock"):
         self.path = Path(path)
+        self.name = name
         self.log = log
         self.poll_s = poll_s
         self.what = what if what is not None else " ".join(sys.argv) or "python"
@@ -49,7 +52,7 @@ class HostLock:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             if not _try_lock(fd):
-                self.log(f"waiting for the host lock {self.path} held by {_holder(self.path)}")
+                self.log(f"waiting for the {self.name} {self.path} held by {_holder(self.path)}")
                 while not _try_lock(fd):
                     time.sleep(self.poll_s)
             os.ftruncate(fd, 0)

@@ -18,16 +18,19 @@ them through the target's lm_head).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from worker.hostlock import HostLock
 from worker.prompts import file_sha256
 
 SENTINEL = "\u2063SPECBOARD-USER-TURN\u2063"
@@ -131,7 +134,19 @@ def generate_conversations(engine, settings: GenerationSettings, prompts=None, f
     if prompts is not None:
         check_not_evaluation(prompts, forbidden)
     source = "generated" if prompts is None else "file"
-    state = _Progress.open(checkpoint, settings, source)
+    with contextlib.ExitStack() as writing:
+        state = _Progress.open(checkpoint, settings, source, peek=True)
+        if state.folder is not None:
+            # This call appends rounds: one generation at a time per folder; a second one
+            # waits, then continues from what the first left.
+            writing.enter_context(HostLock(
+                state.folder / "writer.lock", log=lambda m: print(m, file=sys.stderr),
+                what=f"generation of {settings.n} conversations", name="generation lock"))
+            state = _Progress.open(checkpoint, settings, source)
+        return _generate(engine, settings, prompts, forbidden, progress, state, source)
+
+
+def _generate(engine, settings, prompts, forbidden, progress, state, source):
     if prompts is not None:  # deduplicated in order; the rounds walk through them
         unique, keys = [], set()
         for text in prompts:
@@ -189,31 +204,36 @@ class _Progress:
                       "evaluation_prompts": 0, "resumed_at": None}
 
     @classmethod
-    def open(cls, folder, settings, source):
+    def open(cls, folder, settings, source, peek: bool = False):
+        """The generation kept in ``folder``; ``peek`` reads it without writing anything
+        (what a call does before it holds the generation lock)."""
         state = cls(folder, settings, source)
         if state.folder is None:
             return state
         state.folder.mkdir(parents=True, exist_ok=True)
         meta = state.folder / "state.json"
         if not meta.is_file():
-            (state.folder / "rounds.jsonl").unlink(missing_ok=True)
+            if not peek:
+                (state.folder / "rounds.jsonl").unlink(missing_ok=True)
             return state
         saved = json.loads(meta.read_text())
         if saved.get("settings") != state.settings or saved.get("source") != source:
             raise TrainingDataError(
                 f"{state.folder} holds a generation with other settings ({saved.get('settings')}); "
                 "remove it or use the same settings")
-        rows = []
+        # Only the rows the state counts: lines after them are a round written after the
+        # last state, stopped in between (done again) or being appended by another
+        # generation now (maybe half a line). Only a call that holds the generation lock and
+        # will append cuts them from the file; a read never writes.
+        rows, beyond = [], False
         with open(state.folder / "rounds.jsonl", encoding="utf-8") as f:
             for line in f:
+                if len(rows) == saved["records"]:
+                    beyond = True
+                    break
                 rows.append(json.loads(line))
-        if len(rows) > saved["records"]:
-            # A round written after the last state: stopped in between (done again), or
-            # another generation is appending it now. Only a call that will append itself
-            # cuts it from the file; a prefix read must never write.
-            rows = rows[:saved["records"]]
-            if state.n > len(rows):
-                write_dataset(rows, state.folder / "rounds.jsonl")
+        if beyond and state.n > len(rows) and not peek:
+            write_dataset(rows, state.folder / "rounds.jsonl")
         state.stats.update(saved["stats"], resumed_at=len(rows))
         state.attempt = saved["attempt"]
         if len(rows) > state.n:
