@@ -135,14 +135,14 @@ def generate_conversations(engine, settings: GenerationSettings, prompts=None, f
         check_not_evaluation(prompts, forbidden)
     source = "generated" if prompts is None else "file"
     with contextlib.ExitStack() as writing:
-        state = _Progress.open(checkpoint, settings, source, peek=True)
-        if state.folder is not None:
+        if checkpoint is not None and _Progress.kept(checkpoint) < settings.n:
             # This call appends rounds: one generation at a time per folder; a second one
             # waits, then continues from what the first left.
+            Path(checkpoint).mkdir(parents=True, exist_ok=True)
             writing.enter_context(HostLock(
-                state.folder / "writer.lock", log=lambda m: print(m, file=sys.stderr),
+                Path(checkpoint) / "writer.lock", log=lambda m: print(m, file=sys.stderr),
                 what=f"generation of {settings.n} conversations", name="generation lock"))
-            state = _Progress.open(checkpoint, settings, source)
+        state = _Progress.open(checkpoint, settings, source)
         return _generate(engine, settings, prompts, forbidden, progress, state, source)
 
 
@@ -203,18 +203,23 @@ class _Progress:
         self.stats = {"questions_sampled": 0, "duplicates": 0, "unfinished": 0,
                       "evaluation_prompts": 0, "resumed_at": None}
 
+    @staticmethod
+    def kept(folder) -> int:
+        """How many conversations ``folder`` holds, by its state (0 when it has none)."""
+        meta = Path(folder) / "state.json"
+        return json.loads(meta.read_text())["records"] if meta.is_file() else 0
+
     @classmethod
-    def open(cls, folder, settings, source, peek: bool = False):
-        """The generation kept in ``folder``; ``peek`` reads it without writing anything
-        (what a call does before it holds the generation lock)."""
+    def open(cls, folder, settings, source):
+        """The generation kept in ``folder``. Writes only when this call will append (it
+        then holds the generation lock); a smaller size only reads."""
         state = cls(folder, settings, source)
         if state.folder is None:
             return state
         state.folder.mkdir(parents=True, exist_ok=True)
         meta = state.folder / "state.json"
         if not meta.is_file():
-            if not peek:
-                (state.folder / "rounds.jsonl").unlink(missing_ok=True)
+            (state.folder / "rounds.jsonl").unlink(missing_ok=True)
             return state
         saved = json.loads(meta.read_text())
         if saved.get("settings") != state.settings or saved.get("source") != source:
@@ -232,7 +237,7 @@ class _Progress:
                     beyond = True
                     break
                 rows.append(json.loads(line))
-        if beyond and state.n > len(rows) and not peek:
+        if beyond and state.n > len(rows):
             write_dataset(rows, state.folder / "rounds.jsonl")
         state.stats.update(saved["stats"], resumed_at=len(rows))
         state.attempt = saved["attempt"]
