@@ -8,6 +8,7 @@ The data are tiny (a few hundred tokens), so the heads are trained to overfit th
 head overfitted on a conversation proposes its continuation is what shows the engine feeds
 the head the hidden states of the right positions.
 """
+import io
 import json
 from pathlib import Path
 
@@ -111,6 +112,23 @@ def test_the_target_writes_seeded_distinct_questions_and_answers_them(engine):
         assert 0 < len(r["input_ids"]) - r["prompt_len"] <= 4
     again, _ = generate_conversations(engine, settings)
     assert [r["user"] for r in again] == [r["user"] for r in records]  # seeded
+
+
+def test_question_starts_open_the_questions_the_target_writes(engine):
+    starts = ("Implement a function in Python that", "Explain how")
+    settings = GenerationSettings(n=4, seed=3, max_question_tokens=48, max_answer_tokens=4,
+                                  batch_size=8, question_starts=starts)
+    records, _ = generate_conversations(engine, settings)
+    assert len(records) == 4 and all(r["user"].startswith(starts) for r in records)
+    assert {r["user"].split(" ")[0] for r in records} == {"Implement", "Explain"}  # in turn
+    for r in records:  # the whole question, opening included, is what the answer follows
+        assert r["input_ids"][:r["prompt_len"]] == engine.encode_chat(r["user"])
+    # Without starts the settings are what they were before starts existed (the key of
+    # the shipped rounds), with them they differ.
+    assert "question_starts" not in GenerationSettings(n=4).to_dict()
+    assert settings.to_dict()["question_starts"] == list(starts)
+    with pytest.raises(TrainingDataError, match="question starts"):
+        generate_conversations(engine, settings, prompts=PROMPTS)
 
 
 def test_generation_resumes_after_its_last_round_and_larger_n_extends_it(engine, tmp_path):
@@ -416,11 +434,44 @@ def test_shipped_rounds_are_continued_instead_of_written_again(site, settings, t
         shutil.copyfileobj(src, out)
     shutil.copyfile(folder / "state.json", shipped / "state.json")
     shutil.rmtree(kept)
-    call_command(*args, "--n", "1", "--slug", "from-shipped")
+    said = io.StringIO()
+    call_command(*args, "--n", "1", "--slug", "from-shipped", stderr=said)
+    assert "2 conversations of these settings are kept" in said.getvalue()
+    assert "taking the first 1" in said.getvalue()
     row = TrainingDataset.objects.get(slug="from-shipped")
     assert read_dataset(settings_media(row.path)) == written[:1]
     assert row.params["stats"]["prefix_of"] == 2   # taken from the shipped rounds, not written
     assert (kept / folder.name / "rounds.jsonl").is_file()
+
+
+def test_shipped_rounds_are_copied_under_the_generation_lock(settings, tmp_path):
+    import gzip
+    import threading
+
+    from leaderboard.services.training import copy_shipped_rounds
+    from worker.training.data import generation_lock
+
+    settings.SHIPPED_ROUNDS_DIR = tmp_path / "shipped"
+    (settings.SHIPPED_ROUNDS_DIR / "k").mkdir(parents=True)
+    with gzip.open(settings.SHIPPED_ROUNDS_DIR / "k" / "rounds.jsonl.gz", "wt") as f:
+        f.write('{"shipped": 1}\n')
+    (settings.SHIPPED_ROUNDS_DIR / "k" / "state.json").write_text('{"records": 1}')
+    folder, done = tmp_path / "kept" / "k", {}
+    copy = threading.Thread(target=lambda: done.setdefault("copied", copy_shipped_rounds("k", folder)))
+    with generation_lock(folder, "another generation"):
+        copy.start()
+        copy.join(timeout=2)
+        assert copy.is_alive()   # waits for the generation holding the folder
+        # ... which writes rounds of its own meanwhile: the copy must not replace them.
+        (folder / "rounds.jsonl").write_text('{"mine": 1}\n')
+        (folder / "state.json").write_text('{"records": 1}')
+    copy.join(timeout=30)
+    assert done == {"copied": False}
+    assert (folder / "rounds.jsonl").read_text() == '{"mine": 1}\n'
+    other = tmp_path / "kept" / "other"
+    assert copy_shipped_rounds("k", other) is True
+    assert (other / "rounds.jsonl").read_text() == '{"shipped": 1}\n'
+    assert sorted(p.name for p in other.iterdir()) == ["rounds.jsonl", "state.json", "writer.lock"]
 
 
 def settings_media(name):

@@ -127,24 +127,28 @@ def make_training_data(target: Target, n: int, *, slug: str | None = None, promp
                        seed: int = 0, max_question_tokens: int = 48, max_answer_tokens: int = 192,
                        answer_temperature: float = 0.0, batch_size: int | None = None,
                        engine: str = "vllm", skip_existing: bool = False,
-                       progress=None, say=None) -> tuple[TrainingDataset, bool]:
+                       question_starts_file=None, progress=None,
+                       say=None) -> tuple[TrainingDataset, bool]:
     """Generate (or answer ``prompts_file``) ``n`` conversations with the target and store
     them as the next version of ``slug``. The same content as that slug's newest version is
     a no-op, and so is any existing version with ``skip_existing``. Evaluation prompts are
     refused (a prompts file) or dropped (generated).
 
     ``engine``: "vllm" (the engine of record, many sequences in flight) or "reference".
+    ``question_starts_file``: JSON lines of openings the target continues into its questions
+    (for data closer to the evaluation's tasks without their prompts).
     Finished rounds are kept under DATA_DIR/training/rounds/, so the same command run again
     after an interruption continues where it stopped, and a larger ``n`` extends them."""
     from worker.training import limit_threads
     from worker.training.data import (GenerationSettings, TrainingDataError, generate_conversations,
-                                      read_prompts_file, write_dataset)
+                                      kept_conversations, read_prompts_file, write_dataset)
 
     if n < 1:
         raise ServiceError("--n must be at least 1")
     if engine not in WRITERS:
         raise ServiceError(f"--engine must be one of {', '.join(WRITERS)}")
-    slug = slug or slugify(f"{target.slug}-{'prompts' if prompts_file else 'self'}-chat")
+    origin = "prompts" if prompts_file else "starts" if question_starts_file else "self"
+    slug = slug or slugify(f"{target.slug}-{origin}-chat")
     if skip_existing:
         existing = TrainingDataset.objects.filter(slug=slug, target=target).order_by("-version").first()
         if existing is not None:
@@ -158,10 +162,20 @@ def make_training_data(target: Target, n: int, *, slug: str | None = None, promp
             check_not_evaluation(prompts, forbidden, where=f"{prompts_file}: ")
         except TrainingDataError as e:
             raise ServiceError(str(e)) from None
+    starts = ()
+    if question_starts_file:
+        if prompts is not None:
+            raise ServiceError("--question-starts opens questions the target writes; with "
+                               "--prompts there are none")
+        try:
+            starts = tuple(read_prompts_file(question_starts_file))
+        except TrainingDataError as e:
+            raise ServiceError(f"--question-starts: {e}") from None
     gen = GenerationSettings(n=n, seed=seed, max_question_tokens=max_question_tokens,
                              max_answer_tokens=max_answer_tokens,
                              answer_temperature=answer_temperature,
-                             batch_size=batch_size or DEFAULT_WRITE_BATCH[engine], engine=engine)
+                             batch_size=batch_size or DEFAULT_WRITE_BATCH[engine], engine=engine,
+                             question_starts=starts)
     # Finished rounds are kept per generation settings (n aside), so an interrupted command
     # continues, and a larger --n extends a smaller one's conversations.
     key = hashlib.sha256(json.dumps([{k: v for k, v in gen.to_dict().items() if k != "n"},
@@ -169,11 +183,11 @@ def make_training_data(target: Target, n: int, *, slug: str | None = None, promp
                                      file_sha256(prompts_file) if prompts_file else None],
                                     sort_keys=True).encode()).hexdigest()[:16]
     checkpoint = settings.DATA_DIR / "training" / "rounds" / key
-    if not (checkpoint / "state.json").is_file():
-        copy_shipped_rounds(key, checkpoint, say)
-    if say and (checkpoint / "state.json").is_file():
-        held = json.loads((checkpoint / "state.json").read_text()).get("records", 0)
-        say(f"{held} conversations of these settings are kept in {checkpoint}; continuing from there")
+    copy_shipped_rounds(key, checkpoint, say)
+    held = kept_conversations(checkpoint)
+    if say and held:
+        say(f"{held} conversations of these settings are kept in {checkpoint}; "
+            + (f"taking the first {n}" if held >= n else f"continuing from there to {n}"))
     limit_threads()
     if engine == "vllm":
         from worker.training.vllm_writer import VllmWriter
@@ -217,17 +231,27 @@ def copy_shipped_rounds(key: str, checkpoint: Path, say=None) -> bool:
     """Rounds of a generation shipped with the repository (``training-data/rounds/KEY/``:
     ``rounds.jsonl.gz`` and ``state.json``, the demo data written on the project's machine),
     copied in where none are kept yet: the same command then continues them (or takes its
-    first N) instead of writing them again."""
+    first N) instead of writing them again. The copy holds the folder's generation lock, so
+    it never overwrites rounds another generation has started appending, and state.json
+    comes last, so a reader sees no rounds or all of them."""
     import gzip
+
+    from worker.training.data import generation_lock
 
     shipped = Path(settings.SHIPPED_ROUNDS_DIR) / key
     if not (shipped / "state.json").is_file() or not (shipped / "rounds.jsonl.gz").is_file():
         return False
-    checkpoint.mkdir(parents=True, exist_ok=True)
-    with gzip.open(shipped / "rounds.jsonl.gz", "rb") as src, \
-            open(checkpoint / "rounds.jsonl", "wb") as out:
-        shutil.copyfileobj(src, out)
-    shutil.copyfile(shipped / "state.json", checkpoint / "state.json")
+    if (checkpoint / "state.json").is_file():
+        return False
+    with generation_lock(checkpoint, f"copying the shipped rounds {shipped}"):
+        if (checkpoint / "state.json").is_file():   # another call got there first
+            return False
+        with gzip.open(shipped / "rounds.jsonl.gz", "rb") as src, \
+                open(checkpoint / "rounds.jsonl.part", "wb") as out:
+            shutil.copyfileobj(src, out)
+        (checkpoint / "rounds.jsonl.part").replace(checkpoint / "rounds.jsonl")
+        shutil.copyfile(shipped / "state.json", checkpoint / "state.json.part")
+        (checkpoint / "state.json.part").replace(checkpoint / "state.json")
     if say:
         say(f"rounds shipped in {shipped} copied to {checkpoint}")
     return True

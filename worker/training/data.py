@@ -111,9 +111,18 @@ class GenerationSettings:
     answer_temperature: float = 0.0
     batch_size: int = 16
     engine: str = "reference"   # which engine wrote it: "vllm" or "reference"
+    # Openings of the user turn the target continues into its questions, taken in turn
+    # (attempt i starts with question_starts[i % len]); none: it writes them from nothing.
+    question_starts: tuple[str, ...] = ()
 
     def to_dict(self):
-        return dict(self.__dict__)
+        d = dict(self.__dict__)
+        # Left out when unused, so generations written before starts existed keep their key.
+        if d["question_starts"]:
+            d["question_starts"] = list(d["question_starts"])
+        else:
+            del d["question_starts"]
+        return d
 
 
 def generate_conversations(engine, settings: GenerationSettings, prompts=None, forbidden=None,
@@ -133,17 +142,31 @@ def generate_conversations(engine, settings: GenerationSettings, prompts=None, f
         raise TrainingDataError(f"{engine.path} has no tokenizer: the target writes text")
     if prompts is not None:
         check_not_evaluation(prompts, forbidden)
+    if prompts is not None and settings.question_starts:
+        raise TrainingDataError("question starts are for questions the target writes; "
+                                "prompts are answered as they are")
     source = "generated" if prompts is None else "file"
     with contextlib.ExitStack() as writing:
-        if checkpoint is not None and _Progress.kept(checkpoint) < settings.n:
+        if checkpoint is not None and kept_conversations(checkpoint) < settings.n:
             # This call appends rounds: one generation at a time per folder; a second one
             # waits, then continues from what the first left.
-            Path(checkpoint).mkdir(parents=True, exist_ok=True)
-            writing.enter_context(HostLock(
-                Path(checkpoint) / "writer.lock", log=lambda m: print(m, file=sys.stderr),
-                what=f"generation of {settings.n} conversations", name="generation lock"))
+            writing.enter_context(generation_lock(checkpoint, f"generation of {settings.n} conversations"))
         state = _Progress.open(checkpoint, settings, source)
         return _generate(engine, settings, prompts, forbidden, progress, state, source)
+
+
+def generation_lock(folder, what: str) -> HostLock:
+    """The lock of a rounds folder (``writer.lock``): whoever appends rounds to it, or
+    puts the shipped rounds into it, holds it; reads do not take it."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    return HostLock(Path(folder) / "writer.lock", log=lambda m: print(m, file=sys.stderr),
+                    what=what, name="generation lock")
+
+
+def kept_conversations(folder) -> int:
+    """How many conversations a rounds folder holds, by its state (0 when it has none)."""
+    meta = Path(folder) / "state.json"
+    return json.loads(meta.read_text())["records"] if meta.is_file() else 0
 
 
 def _generate(engine, settings, prompts, forbidden, progress, state, source):
@@ -202,12 +225,6 @@ class _Progress:
         self.attempt = 0
         self.stats = {"questions_sampled": 0, "duplicates": 0, "unfinished": 0,
                       "evaluation_prompts": 0, "resumed_at": None}
-
-    @staticmethod
-    def kept(folder) -> int:
-        """How many conversations ``folder`` holds, by its state (0 when it has none)."""
-        meta = Path(folder) / "state.json"
-        return json.loads(meta.read_text())["records"] if meta.is_file() else 0
 
     @classmethod
     def open(cls, folder, settings, source):
@@ -273,6 +290,8 @@ class _Progress:
 def _sample_questions(engine, settings, want, forbidden, state, progress) -> list[str]:
     """``want`` new distinct finished questions, continuing the seeded attempts."""
     prefix = user_prefix_ids(engine.tokenizer)
+    starts = list(settings.question_starts) or [""]
+    start_ids = [engine.tokenizer.encode(t, add_special_tokens=False) for t in starts]
     stats, questions = state.stats, []
     batch = settings.batch_size
     max_attempts = 20 * settings.n + 4 * batch  # a target that cannot write questions stops here
@@ -283,14 +302,16 @@ def _sample_questions(engine, settings, want, forbidden, state, progress) -> lis
                 f"questions in {state.attempt} attempts (duplicates {stats['duplicates']}, "
                 f"unfinished {stats['unfinished']}); ask for fewer (--n) or pass --prompts FILE")
         # Sequence i samples from seed + i, so attempt numbers give reproducible questions.
-        results = engine.generate([prefix] * batch, max_new_tokens=settings.max_question_tokens,
+        begun = [(state.attempt + i) % len(starts) for i in range(batch)]
+        results = engine.generate([prefix + start_ids[j] for j in begun],
+                                  max_new_tokens=settings.max_question_tokens,
                                   temperature=settings.question_temperature,
                                   seed=settings.seed * 1_000_003 + state.attempt)
         state.attempt += batch
-        for r in results:
+        for j, r in zip(begun, results):
             stats["questions_sampled"] += 1
-            text = r.text.strip()
-            if r.finish_reason != "eos" or len(text) < 8:
+            text = (starts[j] + r.text).strip()
+            if r.finish_reason != "eos" or len(r.text.strip()) < 8:
                 stats["unfinished"] += 1
                 continue
             key = text_sha256(text)

@@ -14,9 +14,14 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument("--target", required=True, help="target slug")
         parser.add_argument("--n", type=int, required=True, help="number of conversations")
-        parser.add_argument("--slug", help="dataset name (default: TARGET-self-chat or TARGET-prompts-chat)")
+        parser.add_argument("--slug", help="dataset name (default: TARGET-self-chat, TARGET-starts-chat "
+                            "or TARGET-prompts-chat)")
         parser.add_argument("--prompts", help="JSON lines of user prompts to answer instead of "
                             "generated questions (strings, or objects with prompt/text/question/turns)")
+        parser.add_argument("--question-starts", metavar="FILE",
+                            help="JSON lines of strings: openings of the user turn that the "
+                                 "target continues into its questions, taken in turn (e.g. "
+                                 "training-data/question-starts.jsonl, openings by task type)")
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--max-question-tokens", type=int, default=48)
         parser.add_argument("--max-answer-tokens", type=int, default=192)
@@ -51,7 +56,8 @@ class Command(BaseCommand):
                 max_question_tokens=o["max_question_tokens"],
                 max_answer_tokens=o["max_answer_tokens"],
                 answer_temperature=o["answer_temperature"], batch_size=o["batch_size"],
-                engine=o["engine"], skip_existing=o["skip_existing"], progress=progress,
+                engine=o["engine"], skip_existing=o["skip_existing"],
+                question_starts_file=o["question_starts"], progress=progress,
                 say=lambda m: self.stderr.write(m))
         except (ServiceError, TrainingDataError) as e:
             raise CommandError(f"{e}\nNo dataset was recorded.") from None
