@@ -13,14 +13,14 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 DEMO_PORT ?= 7860
 
-# make demo-drafters: the demo target's shared training data (written by vLLM) and the
-# recipes of the shipped demo drafters; make ship-drafters copies them into drafters/.
-DEMO_TRAIN_N ?= 2048
-DEMO_TRAIN_DATA ?= demo-chat-2k
+# make demo-drafters: the demo target's shared training data (written by vLLM; SLUG:N, N
+# conversations, each set a prefix of the largest) and the shipped demo drafters
+# (RECIPE:DATA); make ship-drafters copies them into drafters/.
+DEMO_DATA ?= demo-chat-2k:2048 demo-chat-4k:4096
+DEMO_DRAFTERS ?= eagle:demo-chat-2k medusa_reduced_vocab:demo-chat-2k eagle3:demo-chat-4k
 DEMO_TRAIN_SEED ?= 0
-# About four passes over 2048 conversations at 4 a step.
+# 2000 steps of 4 conversations: about four passes over 2048 of them, two over 4096.
 DEMO_TRAIN_STEPS ?= 2000
-DEMO_RECIPES ?= eagle medusa_reduced_vocab
 
 .PHONY: install run test migrate setup-demo worker web demo clean-var demo-drafters ship-drafters system-packages
 
@@ -80,11 +80,13 @@ run: setup-demo
 # interrupted generation or training continues, so it can be started again.
 demo-drafters: migrate
 	$(PY) manage.py setup_demo
-	$(PY) manage.py make_training_data --target smollm2-135m-instruct --slug $(DEMO_TRAIN_DATA) \
-		--n $(DEMO_TRAIN_N) --seed $(DEMO_TRAIN_SEED) --skip-existing
-	for recipe in $(DEMO_RECIPES); do \
-		$(PY) manage.py train_drafter --recipe $$recipe --target smollm2-135m-instruct \
-			--data $(DEMO_TRAIN_DATA) --protocol demo-cpu --seed $(DEMO_TRAIN_SEED) \
+	for data in $(DEMO_DATA); do \
+		$(PY) manage.py make_training_data --target smollm2-135m-instruct --slug $${data%%:*} \
+			--n $${data##*:} --seed $(DEMO_TRAIN_SEED) --skip-existing || exit 1; \
+	done
+	for drafter in $(DEMO_DRAFTERS); do \
+		$(PY) manage.py train_drafter --recipe $${drafter%%:*} --target smollm2-135m-instruct \
+			--data $${drafter##*:} --protocol demo-cpu --seed $(DEMO_TRAIN_SEED) \
 			--steps $(DEMO_TRAIN_STEPS) --skip-existing \
 			--resume-if-any || exit 1; \
 	done
@@ -92,8 +94,8 @@ demo-drafters: migrate
 # Copy the demo drafters (trained by demo-drafters) into drafters/, which setup_demo
 # registers on every machine; a folder already holding them is left as it is.
 ship-drafters: migrate
-	for recipe in $(DEMO_RECIPES); do \
-		$(PY) manage.py ship_drafter --recipe $$recipe --data $(DEMO_TRAIN_DATA) \
+	for drafter in $(DEMO_DRAFTERS); do \
+		$(PY) manage.py ship_drafter --recipe $${drafter%%:*} --data $${drafter##*:} \
 			--seed $(DEMO_TRAIN_SEED) $(SHIP_FLAGS) || exit 1; \
 	done
 
