@@ -46,13 +46,16 @@ def wait_for_state(run, states, seconds=600, worker=None):
                 f"{worker.output()[-4000:] if worker else ''}")
 
 
-def wait_for_cells(run, n, seconds=600, poll_s=0.5):
+def wait_for_cells(run, n, seconds=600, poll_s=0.5, worker=None):
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if Result.objects.filter(run=run).count() >= n:
             return
         time.sleep(poll_s)
-    pytest.fail(f"run {run.pk} did not reach {n} cells")
+    run.refresh_from_db()
+    pytest.fail(f"run {run.pk} did not reach {n} cells in {seconds}s (state {run.state}, "
+                f"attempts {run.attempts}); run log:\n{run.log_tail}\nworker log:\n"
+                f"{worker.output()[-4000:] if worker else ''}")
 
 
 def cell_keys(run):
@@ -143,7 +146,7 @@ def test_killed_worker_run_finishes_with_every_cell_once(demo_target_dir, prompt
                                 max_new_tokens=48)
     run = runs.queue_run(protocol, None)
     first = celery_worker_factory(SPECBOARD_RUN_STALE_AFTER_S=8)
-    wait_for_cells(run, 1, poll_s=0.05)
+    wait_for_cells(run, 1, poll_s=0.05, worker=first)
     measured_before = dict(((r.task, r.batch_size), r.measured_at)
                            for r in Result.objects.filter(run=run))
     first.kill()  # SIGKILL, mid-run
@@ -165,7 +168,7 @@ def test_cancel_is_honoured_between_cells(demo_target_dir, prompt_files, celery_
     protocol, _ = tiny_protocol(demo_target_dir, prompt_files, batch_sizes=(1, 2, 4), prompts=4)
     run = runs.queue_run(protocol, None)
     worker = celery_worker_factory()
-    wait_for_cells(run, 1)
+    wait_for_cells(run, 1, worker=worker)
     assert runs.request_cancel(run) == Run.RUNNING
     wait_for_state(run, Run.FINISHED, seconds=120, worker=worker)
     assert run.state == Run.CANCELLED and run.error == "cancelled by request"

@@ -234,7 +234,7 @@ def test_a_broker_restart_mid_run_loses_no_message_and_finishes_each_run_once(
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         assert sent.returncode == 0, sent.stderr[-2000:]
         worker = celery_worker_factory(CELERY_BROKER_URL=redis.url)
-        wait_for_cells(first, 1, poll_s=0.1)
+        wait_for_cells(first, 1, poll_s=0.1, worker=worker)
         redis.stop()  # mid-run; the second run's message waits in the stopped broker
         first.refresh_from_db()
         assert first.state == Run.RUNNING and first.cells_done < first.cells_total
