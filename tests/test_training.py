@@ -444,6 +444,50 @@ def test_shipped_rounds_are_continued_instead_of_written_again(site, settings, t
     assert (kept / folder.name / "rounds.jsonl").is_file()
 
 
+@pytest.mark.django_db
+def test_mixed_training_data_interleaves_its_parts_and_drops_repeats(site, tmp_path, capsys):
+    from leaderboard.models import PromptSet, TrainingDataset
+
+    first = ["Tell me a joke.", "Name three rivers.", "What is two plus two?"]
+    args = ["make_training_data", "--target", "smollm2", "--max-answer-tokens", "8",
+            "--engine", "reference"]
+    call_command(*args, "--n", "3", "--slug", "part-a",
+                 "--prompts", str(write_prompts(tmp_path / "a.jsonl", first)))
+    call_command(*args, "--n", "2", "--slug", "part-b", "--prompts",
+                 str(write_prompts(tmp_path / "b.jsonl", ["Say hello.", "tell me a  JOKE."])))
+    a, b = (TrainingDataset.objects.get(slug=s) for s in ("part-a", "part-b"))
+    # A prompt set that came after the data were written: the mix drops its prompt.
+    PromptSet.objects.get(slug="eval-set").prompts.create(
+        external_id="q-8", position=10, category="writing", turns=[first[1]])
+    for bad, message in [(["part-a"], "at least two"), (["part-a", "part-a"], "named twice"),
+                         (["part-a", "nope"], "no training data 'nope'")]:
+        with pytest.raises(CommandError, match=message):
+            call_command("mix_training_data", *bad, "--slug", "mixed")
+    with pytest.raises(CommandError, match="one of the parts"):
+        call_command("mix_training_data", "part-a", "part-b", "--slug", "part-b")
+    assert TrainingDataset.objects.count() == 2
+    call_command("mix_training_data", "part-a", "part-b@1", "--slug", "mixed")
+    assert "3 conversations (3 of part-a v1, 2 of part-b v1; 1 duplicates and 1 evaluation " \
+        "prompts dropped)" in capsys.readouterr().out
+    mix = TrainingDataset.objects.get(slug="mixed")
+    records = read_dataset(settings_media(mix.path))
+    # In proportion: a0 (1/6), b0 (1/4), a1 (1/2, now an evaluation prompt), b1 (3/4, a0's
+    # question again), a2 (5/6).
+    assert [r["mixed_from"] for r in records] == ["part-a v1 #0", "part-b v1 #0", "part-a v1 #2"]
+    assert [r["id"] for r in records] == [0, 1, 2]
+    parts = {p.slug: read_dataset(settings_media(p.path)) for p in (a, b)}
+    assert records[1]["input_ids"] == parts["part-b"][0]["input_ids"]
+    assert (mix.n, mix.target, mix.source) == (3, a.target, "mix of part-a v1, part-b v1")
+    assert mix.tokens == sum(len(r["input_ids"]) for r in records)
+    stats = mix.params["stats"]
+    assert [(p["slug"], p["sha256"]) for p in stats["parts"]] == [
+        ("part-a", a.sha256), ("part-b", b.sha256)]
+    assert stats["seconds"] == round(a.params["stats"]["seconds"] + b.params["stats"]["seconds"], 1)
+    call_command("mix_training_data", "part-a", "part-b", "--slug", "mixed")
+    assert "already present" in capsys.readouterr().out
+    assert TrainingDataset.objects.filter(slug="mixed").count() == 1
+
+
 def test_shipped_rounds_are_copied_under_the_generation_lock(settings, tmp_path):
     import gzip
     import threading

@@ -141,7 +141,7 @@ def make_training_data(target: Target, n: int, *, slug: str | None = None, promp
     after an interruption continues where it stopped, and a larger ``n`` extends them."""
     from worker.training import limit_threads
     from worker.training.data import (GenerationSettings, TrainingDataError, generate_conversations,
-                                      kept_conversations, read_prompts_file, write_dataset)
+                                      kept_conversations, read_prompts_file)
 
     if n < 1:
         raise ServiceError("--n must be at least 1")
@@ -205,6 +205,18 @@ def make_training_data(target: Target, n: int, *, slug: str | None = None, promp
     finally:
         if hasattr(writer, "shutdown"):
             writer.shutdown()
+    return store_dataset(records, slug, target,
+                         source=Path(prompts_file).name if prompts_file else "generated",
+                         params={"generation": gen.to_dict(), "stats": stats,
+                                 "target_sha256": target.weights_sha256})
+
+
+def store_dataset(records: list[dict], slug: str, target: Target, *, source: str,
+                  params: dict) -> tuple[TrainingDataset, bool]:
+    """Store ``records`` as the next version of ``slug``; (the newest version, False) when
+    it has the same content already."""
+    from worker.training.data import write_dataset
+
     with tempfile.TemporaryDirectory(dir=_tmp_root()) as tmp:
         local = Path(tmp) / "conversations.jsonl"
         sha = write_dataset(records, local)
@@ -220,11 +232,41 @@ def make_training_data(target: Target, n: int, *, slug: str | None = None, promp
                 name = default_storage.save(f"training-data/{slug}/v{version}/conversations.jsonl", File(fh))
             row = TrainingDataset.objects.create(
                 slug=slug, version=version, target=target, sha256=sha, n=len(records),
-                tokens=stats["tokens"], path=name,
-                source=Path(prompts_file).name if prompts_file else "generated",
-                params={"generation": gen.to_dict(), "stats": stats,
-                        "target_sha256": target.weights_sha256})
+                tokens=sum(len(r["input_ids"]) for r in records), path=name, source=source,
+                params=params)
     return row, True
+
+
+def mix_training_data(slug: str, specs: list[str]) -> tuple[TrainingDataset, bool]:
+    """The conversations of several datasets of one target as one dataset (the next
+    version of ``slug``): interleaved in proportion, duplicates and evaluation prompts
+    dropped (worker.training.data.mix_conversations). Its stats name each part's sha256,
+    and its seconds are the sum of the parts' own."""
+    from worker.training.data import TrainingDataError, mix_conversations, read_dataset
+
+    parts = [find_dataset(spec) for spec in specs]
+    if len({p.pk for p in parts}) < len(parts):
+        raise ServiceError("a dataset is named twice; a mix takes each once")
+    targets = {p.target.slug for p in parts}
+    if len(targets) > 1:
+        raise ServiceError(f"the datasets are of different targets ({', '.join(sorted(targets))}); "
+                           "a drafter is trained for one target")
+    if slug in {p.slug for p in parts}:
+        raise ServiceError(f"--slug {slug!r} is one of the parts; name the mix otherwise")
+    try:
+        records, stats = mix_conversations(
+            [(str(p), read_dataset(dataset_local_path(p))) for p in parts],
+            forbidden=evaluation_prompt_hashes())
+    except TrainingDataError as e:
+        raise ServiceError(str(e)) from None
+    for part, row in zip(stats["parts"], parts):
+        part.update(slug=row.slug, version=row.version, sha256=row.sha256)
+    # What the data cost is what its parts cost to write.
+    seconds = [((row.params or {}).get("stats") or {}).get("seconds") for row in parts]
+    stats["seconds"] = None if None in seconds else round(sum(seconds), 1)
+    return store_dataset(records, slug, parts[0].target,
+                         source="mix of " + ", ".join(str(p) for p in parts),
+                         params={"stats": stats, "target_sha256": parts[0].target.weights_sha256})
 
 
 def copy_shipped_rounds(key: str, checkpoint: Path, say=None) -> bool:

@@ -363,6 +363,37 @@ def read_dataset(path) -> list[dict]:
     return records
 
 
+def mix_conversations(parts: list[tuple[str, list[dict]]], forbidden=None) -> tuple[list[dict], dict]:
+    """One dataset of several: ``parts`` are (name, records) of one target. They are
+    interleaved in proportion (part p's j-th conversation sits at (j + 1/2) / len(p)), so
+    every prefix of the mix, and its last N held out by ``--heldout``, holds each part's
+    share. A conversation whose user turn an earlier one has is dropped, and so is an
+    evaluation prompt (a prompt set may have come after the part was written). Each record
+    keeps its fields, with ``id`` its place in the mix and ``mixed_from`` "NAME #ID"."""
+    forbidden = forbidden or {}
+    if len(parts) < 2:
+        raise TrainingDataError("a mix needs at least two datasets")
+    order = sorted(((j + 0.5) / len(records), p, j)
+                   for p, (_, records) in enumerate(parts) for j in range(len(records)))
+    seen, out = set(), []
+    stats = {"parts": [{"name": name, "n": len(records)} for name, records in parts],
+             "duplicates": 0, "evaluation_prompts": 0}
+    for _, p, j in order:
+        name, record = parts[p][0], parts[p][1][j]
+        key = text_sha256(record.get("user") or json.dumps(record["input_ids"][:record["prompt_len"]]))
+        if key in forbidden:
+            stats["evaluation_prompts"] += 1
+            continue
+        if key in seen:
+            stats["duplicates"] += 1
+            continue
+        seen.add(key)
+        out.append(dict(record, id=len(out), mixed_from=f"{name} #{record.get('id', j)}"))
+    stats["tokens"] = sum(len(r["input_ids"]) for r in out)
+    stats["answer_tokens"] = sum(len(r["input_ids"]) - r["prompt_len"] for r in out)
+    return out, stats
+
+
 @dataclass
 class TrainingData:
     """Token ids and the target's hidden states of every conversation, in memory."""
