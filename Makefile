@@ -14,12 +14,14 @@ PORT ?= 8000
 DEMO_PORT ?= 7860
 
 # make demo-drafters: the demo target's shared training data (written by vLLM; SLUG:N, N
-# conversations, each set a prefix of the largest) and the shipped demo drafters
+# conversations of its own questions, each set a prefix of the largest; SLUG:N:tasks, its
+# questions opened by task type, TASK_DATA_FLAGS) and the shipped demo drafters
 # (RECIPE:DATA); make ship-drafters copies them into drafters/.
-DEMO_DATA ?= demo-chat-2k:2048 demo-chat-4k:4096
-DEMO_DRAFTERS ?= eagle:demo-chat-2k medusa_reduced_vocab:demo-chat-2k eagle3:demo-chat-4k
+DEMO_DATA ?= demo-chat-2k:2048 demo-tasks-2k:2048:tasks
+TASK_DATA_FLAGS := --question-starts training-data/question-starts.jsonl --max-question-tokens 96
+DEMO_DRAFTERS ?= eagle:demo-chat-2k medusa_reduced_vocab:demo-chat-2k eagle3:demo-tasks-2k
 DEMO_TRAIN_SEED ?= 0
-# 2000 steps of 4 conversations: about four passes over 2048 of them, two over 4096.
+# 2000 steps of 4 conversations: about four passes over 2048 of them.
 DEMO_TRAIN_STEPS ?= 2000
 
 .PHONY: install run test migrate setup-demo worker web demo clean-var demo-drafters ship-drafters system-packages
@@ -81,8 +83,10 @@ run: setup-demo
 demo-drafters: migrate
 	$(PY) manage.py setup_demo
 	for data in $(DEMO_DATA); do \
-		$(PY) manage.py make_training_data --target smollm2-135m-instruct --slug $${data%%:*} \
-			--n $${data##*:} --seed $(DEMO_TRAIN_SEED) --skip-existing || exit 1; \
+		set -- $$(echo $$data | tr : ' '); \
+		$(PY) manage.py make_training_data --target smollm2-135m-instruct --slug $$1 --n $$2 \
+			--seed $(DEMO_TRAIN_SEED) --skip-existing \
+			$$([ "$$3" = tasks ] && echo $(TASK_DATA_FLAGS)) || exit 1; \
 	done
 	for drafter in $(DEMO_DRAFTERS); do \
 		$(PY) manage.py train_drafter --recipe $${drafter%%:*} --target smollm2-135m-instruct \
