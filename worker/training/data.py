@@ -389,7 +389,7 @@ def mix_conversations(parts: list[tuple[str, list[dict]]], forbidden=None) -> tu
             continue
         seen.add(key)
         out.append(dict(record, id=len(out), mixed_from=f"{name} #{record.get('id', j)}"))
-    stats["tokens"] = sum(len(r["input_ids"]) for r in out)
+    # All tokens are the stored row's own count; the answer tokens are what a drafter learns.
     stats["answer_tokens"] = sum(len(r["input_ids"]) - r["prompt_len"] for r in out)
     return out, stats
 
