@@ -23,8 +23,14 @@ DEMO_DRAFTERS ?= eagle:demo-chat-2k medusa_reduced_vocab:demo-chat-2k eagle3:dem
 DEMO_TRAIN_SEED ?= 0
 # 2000 steps of 4 conversations: about four passes over 2048 of them.
 DEMO_TRAIN_STEPS ?= 2000
+# make learning-curves: every recipe (CURVE_RECIPES) retrained on nested sets of the demo
+# target's own questions (SLUG:N:STEPS, prefixes of the shipped generation) and queued under
+# demo-cpu-acceptance: the recipe page's learning curves. draft_model, a 4-layer model,
+# gets half the steps (its default 300 against the heads' 600).
+CURVE_DATA ?= demo-chat-128:128:600 demo-chat-1k:1024:1000 demo-chat-2k:2048:2000
+CURVE_RECIPES ?= draft_model eagle eagle_multistep medusa medusa_reduced_vocab eagle3
 
-.PHONY: install run test migrate setup-demo worker web demo clean-var demo-drafters ship-drafters system-packages
+.PHONY: install run test migrate setup-demo worker web demo clean-var demo-drafters ship-drafters learning-curves system-packages
 
 # Debian packages the project uses: Chromium for the browser tests, tcmalloc for the vLLM
 # CPU engine (vLLM's CPU docs ask for it preloaded; the worker preloads it when present).
@@ -93,6 +99,22 @@ demo-drafters: migrate
 			--data $${drafter##*:} --protocol demo-cpu --seed $(DEMO_TRAIN_SEED) \
 			--steps $(DEMO_TRAIN_STEPS) --skip-existing \
 			--resume-if-any || exit 1; \
+	done
+
+# Hours on 2 cores (roughly 2.5 from the times in docs/recipes.md), idempotent as demo-drafters;
+# a worker (make worker, or make run) measures the queued runs afterwards.
+learning-curves: migrate
+	$(PY) manage.py setup_demo --acceptance-protocol
+	for data in $(CURVE_DATA); do \
+		set -- $$(echo $$data | tr : ' '); \
+		$(PY) manage.py make_training_data --target smollm2-135m-instruct --slug $$1 --n $$2 \
+			--seed $(DEMO_TRAIN_SEED) --skip-existing || exit 1; \
+		for recipe in $(CURVE_RECIPES); do \
+			steps=$$([ $$recipe = draft_model ] && echo $$(($$3 / 2)) || echo $$3); \
+			$(PY) manage.py train_drafter --recipe $$recipe --target smollm2-135m-instruct \
+				--data $$1 --protocol demo-cpu-acceptance --seed $(DEMO_TRAIN_SEED) \
+				--steps $$steps --skip-existing --resume-if-any || exit 1; \
+		done; \
 	done
 
 # Copy the demo drafters (trained by demo-drafters) into drafters/, which setup_demo

@@ -406,10 +406,27 @@ def test_trained_drafter_is_registered_with_its_recipe_and_queued(site, tmp_path
     page = Client().get(f"/drafters/{drafter.slug}/").content.decode()
     assert "trained by recipe <code>medusa</code>" in page and data.sha256[:12] in page
     # Once registered, the same recipe, data and seed are skipped when asked to.
+    capsys.readouterr()
     call_command("train_drafter", "--recipe", "medusa", "--target", "smollm2", "--data", "tiny-chat",
                  "--seed", "7", "--skip-existing")
-    assert "already registered" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "already registered" in out and "queued" not in out
     assert Drafter.objects.filter(trained_by_recipe="medusa").count() == 1
+    assert Run.objects.filter(drafter=drafter).count() == 1
+    # Skipped under another protocol (a learning curve's), it is queued there, once.
+    from leaderboard.models import PromptSet
+
+    from .factories import make_protocol
+
+    curve = make_protocol(target, slug="curve-test", hardware="cpu",
+                          prompt_set=PromptSet.objects.get(slug="eval-set"), baseline="paired")
+    for _ in range(2):
+        call_command("train_drafter", "--recipe", "medusa", "--target", "smollm2", "--data",
+                     "tiny-chat", "--seed", "7", "--skip-existing", "--protocol", "curve-test")
+    (queued,) = Run.objects.filter(drafter=drafter, protocol=curve)
+    assert queued.state == Run.QUEUED
+    assert capsys.readouterr().out.count(f"run {queued.pk} queued under {curve}") == 1
+    assert Run.objects.filter(drafter=drafter).count() == 2
 
 
 @pytest.mark.django_db

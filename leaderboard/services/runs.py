@@ -85,6 +85,14 @@ def queue_run(protocol: Protocol, drafter: Drafter | None, send=True) -> Run:
     return run
 
 
+def queue_if_no_run(protocol: Protocol, drafter: Drafter, send=True) -> Run | None:
+    """Queue ``drafter`` under ``protocol`` unless it has a run there in any state (a failed
+    one is for a person to look at, not to repeat unasked). Returns the new run or None."""
+    if protocol.runs.filter(drafter=drafter).exists():
+        return None
+    return queue_run(protocol, drafter, send=send)
+
+
 def request_cancel(run: Run) -> str:
     """A queued run is cancelled at once; a running one between two cells."""
     if Run.objects.filter(pk=run.pk, state=Run.QUEUED).update(

@@ -16,7 +16,7 @@ from worker.protocol import ProtocolSpec, TaskSpec
 
 from ..models import Drafter, Prompt, PromptSet, Protocol, Target
 from .errors import ServiceError  # noqa: F401 - its historical home; commands import it here
-from .runs import queue_run
+from .runs import queue_if_no_run, queue_run
 from .shipping import register_shipped_drafters
 
 
@@ -192,7 +192,5 @@ def queue_demo_runs(rows):
     if (protocol.spec_obj.baseline != "paired"
             and not protocol.runs.filter(drafter__isnull=True).exists()):
         queued.append(queue_run(protocol, None))
-    for drafter in rows["drafters"]:
-        if not protocol.runs.filter(drafter=drafter).exists():
-            queued.append(queue_run(protocol, drafter))
+    queued += [run for run in (queue_if_no_run(protocol, d) for d in rows["drafters"]) if run]
     return queued
