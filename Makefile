@@ -23,6 +23,12 @@ DEMO_DRAFTERS ?= eagle:demo-chat-2k medusa_reduced_vocab:demo-chat-2k eagle3:dem
 DEMO_TRAIN_SEED ?= 0
 # 2000 steps of 4 conversations: about four passes over 2048 of them.
 DEMO_TRAIN_STEPS ?= 2000
+# The commands both targets below run, with what they share: the demo target, the seed, and
+# reuse of what exists (data, drafters, an interrupted training).
+DEMO_MAKE_DATA = $(PY) manage.py make_training_data --target smollm2-135m-instruct \
+	--seed $(DEMO_TRAIN_SEED) --skip-existing
+DEMO_TRAIN = $(PY) manage.py train_drafter --target smollm2-135m-instruct \
+	--seed $(DEMO_TRAIN_SEED) --skip-existing --resume-if-any
 # make learning-curves: every recipe (CURVE_RECIPES) retrained on nested sets of the demo
 # target's own questions (SLUG:N:STEPS, prefixes of the shipped generation) and queued under
 # demo-cpu-acceptance: the recipe page's learning curves. draft_model, a 4-layer model,
@@ -90,15 +96,12 @@ demo-drafters: migrate
 	$(PY) manage.py setup_demo
 	for data in $(DEMO_DATA); do \
 		set -- $$(echo $$data | tr : ' '); \
-		$(PY) manage.py make_training_data --target smollm2-135m-instruct --slug $$1 --n $$2 \
-			--seed $(DEMO_TRAIN_SEED) --skip-existing \
+		$(DEMO_MAKE_DATA) --slug $$1 --n $$2 \
 			$$([ "$$3" = tasks ] && echo $(TASK_DATA_FLAGS)) || exit 1; \
 	done
 	for drafter in $(DEMO_DRAFTERS); do \
-		$(PY) manage.py train_drafter --recipe $${drafter%%:*} --target smollm2-135m-instruct \
-			--data $${drafter##*:} --protocol demo-cpu --seed $(DEMO_TRAIN_SEED) \
-			--steps $(DEMO_TRAIN_STEPS) --skip-existing \
-			--resume-if-any || exit 1; \
+		$(DEMO_TRAIN) --recipe $${drafter%%:*} --data $${drafter##*:} --protocol demo-cpu \
+			--steps $(DEMO_TRAIN_STEPS) || exit 1; \
 	done
 
 # Hours on 2 cores (roughly 2.5 from the times in docs/recipes.md), idempotent as demo-drafters;
@@ -107,13 +110,11 @@ learning-curves: migrate
 	$(PY) manage.py setup_demo --acceptance-protocol
 	for data in $(CURVE_DATA); do \
 		set -- $$(echo $$data | tr : ' '); \
-		$(PY) manage.py make_training_data --target smollm2-135m-instruct --slug $$1 --n $$2 \
-			--seed $(DEMO_TRAIN_SEED) --skip-existing || exit 1; \
+		$(DEMO_MAKE_DATA) --slug $$1 --n $$2 || exit 1; \
 		for recipe in $(CURVE_RECIPES); do \
 			steps=$$([ $$recipe = draft_model ] && echo $$(($$3 / 2)) || echo $$3); \
-			$(PY) manage.py train_drafter --recipe $$recipe --target smollm2-135m-instruct \
-				--data $$1 --protocol demo-cpu-acceptance --seed $(DEMO_TRAIN_SEED) \
-				--steps $$steps --skip-existing --resume-if-any || exit 1; \
+			$(DEMO_TRAIN) --recipe $$recipe --data $$1 --protocol demo-cpu-acceptance \
+				--steps $$steps || exit 1; \
 		done; \
 	done
 

@@ -64,7 +64,7 @@ class Command(BaseCommand):
                     # has no run under demo-cpu-acceptance until a learning curve asks)
                     run = queue_if_no_run(protocol, existing)
                     if run is not None:
-                        self.stdout.write(f"run {run.pk} queued under {protocol} on {run.hardware}")
+                        self.stdout.write(queued_line(run))
                     return
             summary, drafter, run = train_and_register(
                 recipe, target, dataset, protocol, seed=o["seed"], steps=o["steps"],
@@ -80,5 +80,8 @@ class Command(BaseCommand):
             + (f", top-1 on the training data {summary['final_top1']:.3f}"
                if summary.get("final_top1") is not None else ""))
         self.stdout.write(self.style.SUCCESS(
-            f"registered drafter {drafter.slug} ({drafter.method}); run {run.pk} queued under "
-            f"{protocol} on {run.hardware}"))
+            f"registered drafter {drafter.slug} ({drafter.method}); {queued_line(run)}"))
+
+
+def queued_line(run) -> str:
+    return f"run {run.pk} queued under {run.protocol} on {run.hardware}"
