@@ -39,10 +39,12 @@ CURVE_RECIPES ?= draft_model eagle eagle_multistep medusa medusa_reduced_vocab e
 .PHONY: install run test migrate setup-demo worker web demo clean-var demo-drafters ship-drafters learning-curves system-packages
 
 # Debian packages the project uses: Chromium for the browser tests, tcmalloc for the vLLM
-# CPU engine (vLLM's CPU docs ask for it preloaded; the worker preloads it when present).
-# Installed when missing (a package removed but not purged is missing too: dpkg -s would
-# still find it) and running as root; otherwise the command to run is printed.
-SYSTEM_PACKAGES := chromium libtcmalloc-minimal4
+# CPU engine (vLLM's CPU docs ask for it preloaded; the worker preloads it when present),
+# PostgreSQL's server (initdb, pg_ctl under /usr/lib/postgresql/N/bin) and redis-server for
+# the outage tests, which start their own. Installed when missing (a package removed but not
+# purged is missing too: dpkg -s would still find it) and running as root; otherwise the
+# command to run is printed.
+SYSTEM_PACKAGES := chromium libtcmalloc-minimal4 postgresql redis-server
 system-packages:
 	@missing=""; for p in $(SYSTEM_PACKAGES); do \
 		dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" \
@@ -135,9 +137,14 @@ demo: migrate
 worker: migrate
 	$(VENV)/bin/celery -A leaderboard worker -Q cpu -c 1 --loglevel INFO
 
+# The wall time of the whole `make test` (installs included), printed pass or fail.
+ifneq ($(filter test,$(MAKECMDGOALS)),)
+TEST_START := $(shell date +%s)
+endif
 test: install system-packages
 	$(PY) -m playwright --version >/dev/null
-	$(PY) -m pytest $(PYTEST_ARGS)
+	@$(PY) -m pytest $(PYTEST_ARGS); status=$$?; took=$$(( $$(date +%s) - $(TEST_START) )); \
+		echo "[make] make test: $$((took / 60)) min $$((took % 60)) s"; exit $$status
 
 clean-var:
 	rm -rf var

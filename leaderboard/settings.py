@@ -162,6 +162,12 @@ if CELERY_BROKER_URL.startswith("filesystem://"):
         control_folder=str(BROKER_DIR / "control"),
         store_processed=False,
     )
+# Redis broker: a prefix on every key (queues, bindings), so that installations sharing one
+# Redis database (the test suite beside `make run`: tests/isolation.py) never see or purge
+# each other's messages.
+BROKER_KEY_PREFIX = env_str("SPECBOARD_BROKER_KEY_PREFIX")
+if BROKER_KEY_PREFIX and CELERY_BROKER_URL.startswith(("redis://", "rediss://")):
+    CELERY_BROKER_TRANSPORT_OPTIONS["global_keyprefix"] = BROKER_KEY_PREFIX
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # A broker restart must not stop a measurement: the run goes on, finishes once (the claim is
 # a compare-and-set), and a redelivered message finds it finished.

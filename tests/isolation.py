@@ -1,0 +1,83 @@
+"""pytest plugin (loaded with ``-p tests.isolation`` from pyproject.toml's addopts): the test
+session owns its world, and the fast tests run first.
+
+- Its own var/: a fresh temporary folder (data, broker, host lock, secret key, logs, the
+  SQLite test database, media) set as SPECBOARD_VAR_DIR before pytest-django imports the
+  settings, so nothing in the suite reads or writes the checkout's var/ or waits behind the
+  site's measurement (host lock), and the processes tests start inherit it. A caller's
+  SPECBOARD_VAR_DIR, SPECBOARD_DATA_DIR, SPECBOARD_HOST_LOCK and MEDIA_ROOT are overridden
+  on purpose: in a shell set up for `make run` they name the site's own files. The folder is
+  removed at the end of the session (kept with SPECBOARD_TEST_KEEP_VAR=1, to look into).
+- Its own broker messages: with the filesystem broker the temporary var/ holds the queue
+  folders; with a Redis broker (CELERY_BROKER_URL) every key the session writes carries
+  SPECBOARD_BROKER_KEY_PREFIX, so a `make run` worker on the same Redis database never sees
+  or loses a test message and purging a test queue never empties the site's.
+- The converted demo target (about 270 MB, ~30 s to convert) is cached outside the checkout,
+  in SPECBOARD_TEST_CACHE_DIR (default $XDG_CACHE_HOME/specboard, else ~/.cache/specboard),
+  so that repeated runs convert it once.
+- Order: tests neither marked ``vllm`` nor ``browser`` first, then ``browser``, then
+  ``vllm`` (real engine starts, minutes each), each group in collection order, so a
+  failure in the fast tests shows within a minute.
+"""
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+# The order of the groups: a test's first matching marker decides; unmarked tests come first.
+SLOW_MARKERS = ("browser", "vllm")
+VAR_KEY = pytest.StashKey[Path]()
+
+
+def cache_dir() -> Path:
+    """Where the suite keeps what is worth keeping between sessions (the demo target)."""
+    if os.environ.get("SPECBOARD_TEST_CACHE_DIR"):
+        return Path(os.environ["SPECBOARD_TEST_CACHE_DIR"])
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "specboard"
+
+
+def _isolate():
+    """Point every per-site path of leaderboard/settings.py at a fresh folder."""
+    var = Path(tempfile.mkdtemp(prefix="specboard-test-var-"))
+    os.environ["SPECBOARD_VAR_DIR"] = str(var)
+    # Unset means "under VAR_DIR" in settings.py; a caller's value would be the site's.
+    for name in ("SPECBOARD_DATA_DIR", "SPECBOARD_HOST_LOCK", "MEDIA_ROOT"):
+        os.environ.pop(name, None)
+    # Only a Redis broker reads it (settings.py); unique per session.
+    os.environ["SPECBOARD_BROKER_KEY_PREFIX"] = f"specboard-test-{uuid.uuid4().hex[:12]}:"
+    return var
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_load_initial_conftests(early_config, parser, args):
+    # A wrapper runs before every implementation, pytest-django's (which imports the
+    # settings) included.
+    early_config.stash[VAR_KEY] = _isolate()
+    return (yield)
+
+
+def pytest_report_header(config):
+    var = config.stash.get(VAR_KEY, None)
+    return [f"specboard: var {var} (its own), demo-target cache {cache_dir()}"]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    # trylast: after pytest's own reordering by fixture scope; sorted() is stable.
+    def group(item):
+        for i, marker in enumerate(SLOW_MARKERS, start=1):
+            if item.get_closest_marker(marker):
+                return i
+        return 0
+
+    items[:] = sorted(items, key=group)
+
+
+def pytest_unconfigure(config):
+    var = config.stash.get(VAR_KEY, None)
+    if var is not None and os.environ.get("SPECBOARD_TEST_KEEP_VAR") != "1":
+        shutil.rmtree(var, ignore_errors=True)

@@ -1,0 +1,118 @@
+"""The test session owns its world (tests/isolation.py): its var/ (data, broker, host lock,
+secret key, media, the SQLite test database) is a temporary folder, never the checkout's
+var/; a message it sends lands in its own queue folder or under its own Redis key prefix;
+the processes it starts inherit all of it; and the fast tests are collected first."""
+import json
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+
+from .conftest import ROOT, subprocess_env
+
+CHECKOUT_VAR = ROOT / "var"
+
+
+def _outside_checkout_var(path) -> bool:
+    return not Path(path).resolve().is_relative_to(CHECKOUT_VAR.resolve())
+
+
+def test_the_sessions_paths_are_its_own_var_not_the_checkouts(settings):
+    from leaderboard import settings as defaults   # before the per-test overrides
+
+    var = Path(settings.VAR_DIR)
+    assert _outside_checkout_var(var) and not var.resolve().is_relative_to(ROOT.resolve())
+    broker_folders = [settings.CELERY_BROKER_TRANSPORT_OPTIONS.get(key) for key in
+                      ("data_folder_in", "data_folder_out", "processed_folder", "control_folder")]
+    paths = {"DATA_DIR": settings.DATA_DIR, "HOST_LOCK": settings.HOST_LOCK,
+             "MEDIA_ROOT (default)": defaults.MEDIA_ROOT, "MEDIA_ROOT": settings.MEDIA_ROOT,
+             "BROKER_DIR": settings.BROKER_DIR, "STATIC_ROOT": settings.STATIC_ROOT,
+             **{f"broker folder {i}": p for i, p in enumerate(broker_folders) if p}}
+    assert {name: str(p) for name, p in paths.items() if not _outside_checkout_var(p)} == {}
+    # The embedded deployment's key is the one kept in the session's var/.
+    key_file = var / "secret_key"
+    assert key_file.is_file() and key_file.read_text().strip() == settings.SECRET_KEY
+    for name in ("DATA_DIR", "HOST_LOCK", "BROKER_DIR"):
+        assert Path(getattr(settings, name)).is_relative_to(var), name
+
+
+@pytest.mark.django_db
+def test_the_test_database_is_not_the_checkouts():
+    from django.db import connection
+
+    if connection.vendor == "sqlite":
+        assert _outside_checkout_var(connection.settings_dict["NAME"])
+    else:   # a server's database: pytest-django's test_ copy, never the site's own
+        assert connection.settings_dict["NAME"].startswith("test_")
+
+
+def test_a_message_sent_by_the_session_lands_in_its_own_queue(settings):
+    """Sent to a queue as the site sends runs (send_task with queue=): with the filesystem
+    broker the message file is in the session's queue folder, with Redis the list is under
+    the session's key prefix, never a bare queue name that a `make run` worker reads."""
+    from leaderboard.celery import MEASURE_RUN, app, ensure_broker_folders
+
+    from .conftest import purge_queue
+
+    queue = f"isolation-{uuid.uuid4().hex[:8]}"
+    ensure_broker_folders()
+    app.send_task(MEASURE_RUN, args=[0], queue=queue)
+    try:
+        if settings.CELERY_BROKER_URL.startswith("filesystem://"):
+            folder = Path(settings.CELERY_BROKER_TRANSPORT_OPTIONS["data_folder_out"])
+            assert folder.is_relative_to(Path(settings.VAR_DIR))
+            # kombu names each message file TIME_UUID.QUEUE.msg
+            assert len([p for p in folder.iterdir() if p.name.endswith(f".{queue}.msg")]) == 1
+        else:
+            import redis
+
+            prefix = settings.CELERY_BROKER_TRANSPORT_OPTIONS["global_keyprefix"]
+            assert prefix.startswith("specboard-test-")
+            client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+            assert client.llen(prefix + queue) == 1 and client.llen(queue) == 0
+    finally:
+        purge_queue(queue)
+
+
+def test_a_process_started_by_a_test_uses_the_same_var(settings):
+    probe = ("import django, json; django.setup(); from django.conf import settings as s; "
+             "print(json.dumps([str(s.VAR_DIR), str(s.DATA_DIR), str(s.HOST_LOCK), "
+             "str(s.MEDIA_ROOT), s.BROKER_KEY_PREFIX]))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120,
+                          env=subprocess_env(DJANGO_SETTINGS_MODULE="leaderboard.settings"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen == [str(settings.VAR_DIR), str(settings.DATA_DIR), str(settings.HOST_LOCK),
+                    str(settings.MEDIA_ROOT), settings.BROKER_KEY_PREFIX]
+
+
+def test_fast_tests_are_collected_first_then_browser_then_vllm(tmp_path):
+    (tmp_path / "test_mixed.py").write_text(textwrap.dedent("""\
+        import pytest
+
+        @pytest.mark.vllm
+        def test_engine_a(): pass
+
+        def test_fast_a(): pass
+
+        @pytest.mark.browser
+        def test_browser_a(): pass
+
+        def test_fast_b(): pass
+
+        @pytest.mark.vllm
+        def test_engine_b(): pass
+    """))
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "tests.isolation",
+         "-p", "no:django", "-p", "no:cacheprovider", "test_mixed.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env=subprocess_env(PYTHONPATH=str(ROOT)))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    order = [line.split("::")[-1] for line in done.stdout.splitlines() if "::" in line]
+    assert order == ["test_fast_a", "test_fast_b", "test_browser_a", "test_engine_a",
+                     "test_engine_b"]
