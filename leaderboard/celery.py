@@ -8,9 +8,10 @@ from celery.signals import worker_init
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "leaderboard.settings")
 
-# The measurement task (leaderboard/tasks.py). The site sends it by this name, so sending
-# needs no import of the task; the name is the one it had when it lived in worker/.
-MEASURE_RUN = "worker.measure_run"
+# The measurement task, named after where it lives (leaderboard/tasks.py). The site sends it
+# by this name, so sending needs no import of the task. Until 2026-12-04 it was
+# "worker.measure_run": docs/deployment.md says what becomes of messages queued under that.
+MEASURE_RUN = "leaderboard.tasks.measure_run"
 
 app = Celery("leaderboard")
 app.config_from_object("django.conf:settings", namespace="CELERY")

@@ -1,6 +1,5 @@
 """The Celery task: fetch the run by id and let the run service measure it
-(leaderboard/services/runs.py). Its name is kept from when it lived in worker/, so that
-messages already queued still route."""
+(leaderboard/services/runs.py). Its name, MEASURE_RUN, says where it lives."""
 from __future__ import annotations
 
 from celery import current_task, shared_task

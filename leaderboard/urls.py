@@ -5,7 +5,6 @@ from django.contrib.auth import views as auth_views
 from django.urls import path, register_converter
 
 from . import views
-from .demo_views import demo_page
 from .api import api
 
 class IdConverter:
@@ -44,7 +43,7 @@ urlpatterns = [
                                    auth_views.LoginView.as_view()), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("accounts/settings/", views.account_settings, name="account_settings"),
-    path("demo/", demo_page, name="demo"),
+    path("demo/", views.demo_page, name="demo"),
     path("admin/", admin.site.urls),
     path("api/", api.urls),
 ]

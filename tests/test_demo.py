@@ -4,7 +4,7 @@ running losslessly, the checks that give a person a clear message, the site's de
 and the Gradio app itself in headless Chromium.
 
 This file runs in the main environment, which has no gradio (vllm needs pillow >= 13,
-gradio < 13): it imports only leaderboard.demo_trace / demo_engine, and the browser test
+gradio < 13): it imports only demo.trace / demo.backend (no gradio there), and the browser test
 starts the app from .venv-demo as a subprocess (`make install` creates it)."""
 import os
 import re
@@ -19,9 +19,9 @@ from django.contrib.auth.models import AnonymousUser
 from django.core.files.base import ContentFile
 from django.test import RequestFactory
 
-from leaderboard import demo_engine as de
-from leaderboard.demo_trace import (ACCEPTED, BONUS, CORRECTED, TARGET, TraceView, counters,
-                                    counters_markdown, counts_from_traces, step_labels)
+from demo import backend
+from demo.trace import (ACCEPTED, BONUS, CORRECTED, TARGET, TraceView, counters, counters_markdown,
+                        counts_from_traces, step_labels)
 from leaderboard.models import Drafter, DrafterFile, Prompt, PromptSet, Target, TrainingDataset
 from leaderboard.services.training import register_drafter
 from worker import metrics
@@ -101,7 +101,7 @@ def test_counters_without_drafts_or_time_are_empty_not_zero():
 
 @pytest.fixture(scope="module")
 def demo_engine_loaded(demo_target_dir):
-    return de.get_engine(demo_target_dir)
+    return backend.get_engine(demo_target_dir)
 
 
 @pytest.fixture(scope="module")
@@ -112,12 +112,12 @@ def engine(demo_engine_loaded, one_torch_thread):
 
 def test_a_real_generation_streams_steps_that_become_highlights_and_counters(demo_engine_loaded):
     engine = demo_engine_loaded
-    prompt_ids = de.encode_prompt(engine, REPEAT_PROMPT, max_new_tokens=24, k=4,
+    prompt_ids = backend.encode_prompt(engine, REPEAT_PROMPT, max_new_tokens=24, k=4,
                                   max_prompt_tokens=2048)
     proposer = make_proposer("ngram", prompt_lookup_min=2, prompt_lookup_max=4)
-    view = TraceView(decode=engine.decode, token_text=lambda t: de.token_text(engine, t),
+    view = TraceView(decode=engine.decode, token_text=lambda t: backend.token_text(engine, t),
                      eos_ids=frozenset(engine.eos_ids))
-    updates = list(de.stream_generation(engine, prompt_ids, proposer, k=4, max_new_tokens=24,
+    updates = list(backend.stream_generation(engine, prompt_ids, proposer, k=4, max_new_tokens=24,
                                         temperature=0.0))
     for update in updates:
         for t in update.traces:
@@ -129,12 +129,12 @@ def test_a_real_generation_streams_steps_that_become_highlights_and_counters(dem
     assert [t.step for t in view.traces] == [s.step for s in result.steps]
     assert view.generated_tokens == len(result.output_ids) > 0
     shown = "".join(text for text, _ in view.highlighted())
-    special = de.token_text(engine, result.output_ids[-1])
+    special = backend.token_text(engine, result.output_ids[-1])
     assert shown in (result.text, result.text + special)
 
     labels = [label for _, label in view.spans]
     counts = view.counts()
-    # Worked out from the engine's own traces, independently of demo_trace.
+    # Worked out from the engine's own traces, independently of demo.trace.
     drafted_steps = [s for s in result.steps if s.drafted]
     accepted = sum(s.accepted for s in drafted_steps)
     assert counts.drafts == len(drafted_steps) > 0
@@ -146,11 +146,11 @@ def test_a_real_generation_streams_steps_that_become_highlights_and_counters(dem
     for s, row in zip(result.steps, view.step_log()):
         assert row[0] == s.step and row[2] == s.accepted
         if s.drafted and s.bonus is not None:
-            assert row[3] == " ".join(repr(de.token_text(engine, t))
+            assert row[3] == " ".join(repr(backend.token_text(engine, t))
                                       for t in s.drafted[s.accepted:])
 
-    baseline = de.plain_decoding(engine, prompt_ids, 24)
-    assert de.plain_decoding(engine, prompt_ids, 24) is baseline  # cached per prompt
+    baseline = backend.plain_decoding(engine, prompt_ids, 24)
+    assert backend.plain_decoding(engine, prompt_ids, 24) is baseline  # cached per prompt
     assert baseline.output_ids == result.output_ids  # greedy speculative decoding is lossless
     c = view.counters(result.timings["wall"], baseline.tokens_per_s)
     assert c["acceptance_length"] == pytest.approx(1 + accepted / len(drafted_steps))
@@ -164,24 +164,24 @@ def test_a_real_generation_streams_steps_that_become_highlights_and_counters(dem
 def test_closing_the_stream_stops_the_generation(demo_engine_loaded):
     engine = demo_engine_loaded
     prompt_ids = engine.encode_chat("Count from one to fifty.")
-    stream = de.stream_generation(engine, prompt_ids, None, k=4, max_new_tokens=200,
+    stream = backend.stream_generation(engine, prompt_ids, None, k=4, max_new_tokens=200,
                                   temperature=0.0)
     first = next(stream)
     assert not first.done
     stream.close()
     # The engine is free again soon: the generation stopped at its next step.
-    assert de._engine_lock.acquire(timeout=30)
-    de._engine_lock.release()
+    assert backend._engine_lock.acquire(timeout=30)
+    backend._engine_lock.release()
 
 
 def test_a_prompt_too_long_for_the_context_or_the_demo_is_refused(demo_engine_loaded):
     engine = demo_engine_loaded
-    with pytest.raises(de.DemoError, match="exceeds the model context of 8192 tokens"):
-        de.encode_prompt(engine, "hello " * 20, max_new_tokens=8190, k=4, max_prompt_tokens=0)
-    with pytest.raises(de.DemoError, match="at most 16"):
-        de.encode_prompt(engine, "hello " * 40, max_new_tokens=16, k=4, max_prompt_tokens=16)
-    with pytest.raises(de.DemoError, match="Type a prompt"):
-        de.encode_prompt(engine, "   ", max_new_tokens=16, k=4, max_prompt_tokens=16)
+    with pytest.raises(backend.DemoError, match="exceeds the model context of 8192 tokens"):
+        backend.encode_prompt(engine, "hello " * 20, max_new_tokens=8190, k=4, max_prompt_tokens=0)
+    with pytest.raises(backend.DemoError, match="at most 16"):
+        backend.encode_prompt(engine, "hello " * 40, max_new_tokens=16, k=4, max_prompt_tokens=16)
+    with pytest.raises(backend.DemoError, match="Type a prompt"):
+        backend.encode_prompt(engine, "   ", max_new_tokens=16, k=4, max_prompt_tokens=16)
 
 
 def make_target(path, slug="demo-target"):
@@ -194,35 +194,35 @@ def make_target(path, slug="demo-target"):
 def test_missing_target_or_drafter_files_give_a_clear_message(tmp_path, settings):
     settings.DATA_DIR = tmp_path / "data"
     target = make_target(tmp_path / "gone")
-    with pytest.raises(de.DemoError, match=r"checkpoint folder .*gone is missing"):
-        de.target_folder(target.slug)
+    with pytest.raises(backend.DemoError, match=r"checkpoint folder .*gone is missing"):
+        backend.target_folder(target.slug)
     (tmp_path / "empty").mkdir()
     target.path = str(tmp_path / "empty")
     target.save()
-    with pytest.raises(de.DemoError, match=r"lacks config\.json, \*\.safetensors"):
-        de.target_folder(target.slug)
+    with pytest.raises(backend.DemoError, match=r"lacks config\.json, \*\.safetensors"):
+        backend.target_folder(target.slug)
 
     no_files = Drafter.objects.create(slug="small", name="small draft", method="draft_model",
                                       target=target)
-    with pytest.raises(de.DemoError, match="small draft has no checkpoint folder"):
-        de.resolve_drafter("small", target.slug)
+    with pytest.raises(backend.DemoError, match="small draft has no checkpoint folder"):
+        backend.resolve_drafter("small", target.slug)
     lost = Drafter.objects.create(slug="lost", name="lost draft", method="draft_model",
                                   target=target, content_sha256="f" * 64)
     f = DrafterFile(drafter=lost, name="config.json", size=2, sha256="0" * 64)
     f.file.save("config.json", ContentFile(b"{}"), save=True)
     f.file.storage.delete(f.file.name)  # the storage lost it
-    with pytest.raises(de.DemoError, match="lost draft: its files cannot be read"):
-        de.resolve_drafter("lost", target.slug)
+    with pytest.raises(backend.DemoError, match="lost draft: its files cannot be read"):
+        backend.resolve_drafter("lost", target.slug)
     Drafter.objects.create(slug="medusa", name="some heads", method="medusa", target=target)
-    with pytest.raises(de.DemoError, match="some heads has no checkpoint folder"):
-        de.resolve_drafter("medusa", target.slug)
+    with pytest.raises(backend.DemoError, match="some heads has no checkpoint folder"):
+        backend.resolve_drafter("medusa", target.slug)
     for method in ("eagle3", "mtp"):
         Drafter.objects.create(slug=method, name=f"a {method}", method=method, target=target)
-        with pytest.raises(de.DemoError, match=rf"a {method}: the demo's reference engine does "
+        with pytest.raises(backend.DemoError, match=rf"a {method}: the demo's reference engine does "
                                                rf"not run {method} drafters .*with vLLM"):
-            de.resolve_drafter(method, target.slug)
-    with pytest.raises(de.DemoError, match="There is no target"):
-        de.target_folder("nope")
+            backend.resolve_drafter(method, target.slug)
+    with pytest.raises(backend.DemoError, match="There is no target"):
+        backend.target_folder("nope")
 
 
 @pytest.mark.django_db
@@ -236,7 +236,7 @@ def test_choices_offer_runnable_drafters_and_prompts_by_set_and_category(tmp_pat
     Drafter.objects.create(slug="mt", name="mtp", method="mtp", target=target)
     Drafter.objects.create(slug="rj", name="rejected", method="ngram", target=target,
                            review_state="rejected")
-    assert de.drafter_choices(target.slug) == [
+    assert backend.drafter_choices(target.slug) == [
         ("draft [draft_model]", "dm"), ("eagle head [eagle]", "eg"),
         ("medusa heads [medusa]", "md"), ("ngram [ngram]", "ng")]
     ps = PromptSet.objects.create(slug="mt", name="MT-Bench", format="mt-bench",
@@ -244,11 +244,11 @@ def test_choices_offer_runnable_drafters_and_prompts_by_set_and_category(tmp_pat
     for i, cat in enumerate(["writing", "math", "writing"]):
         Prompt.objects.create(prompt_set=ps, external_id=str(81 + i), position=i, category=cat,
                               turns=[f"question {i}", "follow-up"])
-    assert de.prompt_groups() == [("MT-Bench · math (1)", "mt/math"),
+    assert backend.prompt_groups() == [("MT-Bench · math (1)", "mt/math"),
                                   ("MT-Bench · writing (2)", "mt/writing")]
-    choices = de.prompts_in_group("mt/writing")
+    choices = backend.prompts_in_group("mt/writing")
     assert [label for label, _ in choices] == ["#81: question 0", "#83: question 2"]
-    assert de.prompt_text(choices[1][1]) == "question 2"
+    assert backend.prompt_text(choices[1][1]) == "question 2"
 
 
 @pytest.mark.django_db
@@ -265,21 +265,21 @@ def test_trained_heads_are_offered_and_decode_losslessly_in_the_demo(method, sit
                                           path=str(data_path))
     summary = train(method, tmp_path / method, 20, lr=2e-3)
     drafter, _ = register_drafter(summary, method, data, protocol, send=False)
-    assert (f"{drafter.name} [{method}]", drafter.slug) in de.drafter_choices(target_row.slug)
+    assert (f"{drafter.name} [{method}]", drafter.slug) in backend.drafter_choices(target_row.slug)
 
-    engine = de.get_engine(de.target_folder(target_row.slug))
-    choice = de.resolve_drafter(drafter.slug, target_row.slug)
+    engine = backend.get_engine(backend.target_folder(target_row.slug))
+    choice = backend.resolve_drafter(drafter.slug, target_row.slug)
     assert choice.method == method and Path(choice.path, "model.safetensors").is_file()
-    proposer = de.get_proposer(choice)
-    assert de.get_proposer(choice) is proposer and proposer.method == method
+    proposer = backend.get_proposer(choice)
+    assert backend.get_proposer(choice) is proposer and proposer.method == method
     max_new_tokens, k = 16, 3
-    prompt_ids = de.encode_prompt(engine, PROMPTS[1], max_new_tokens, k, max_prompt_tokens=2048)
-    updates = list(de.stream_generation(engine, prompt_ids, proposer, k, max_new_tokens,
+    prompt_ids = backend.encode_prompt(engine, PROMPTS[1], max_new_tokens, k, max_prompt_tokens=2048)
+    updates = list(backend.stream_generation(engine, prompt_ids, proposer, k, max_new_tokens,
                                         temperature=0.0))
     result = updates[-1].result
     assert result is not None and updates[-1].error is None
-    assert result.output_ids == de.plain_decoding(engine, prompt_ids, max_new_tokens).output_ids
-    view = TraceView(decode=engine.decode, token_text=lambda t: de.token_text(engine, t),
+    assert result.output_ids == backend.plain_decoding(engine, prompt_ids, max_new_tokens).output_ids
+    view = TraceView(decode=engine.decode, token_text=lambda t: backend.token_text(engine, t),
                      eos_ids=frozenset(engine.eos_ids))
     for update in updates:
         for t in update.traces:
@@ -292,7 +292,7 @@ def test_trained_heads_are_offered_and_decode_losslessly_in_the_demo(method, sit
 
 
 def test_demo_page_embeds_the_gradio_app(settings):
-    from leaderboard.demo_views import demo_page
+    from leaderboard.views import demo_page
 
     settings.SPECBOARD_DEMO_URL = "http://demo.example:7999/"
     request = RequestFactory().get("/demo/")

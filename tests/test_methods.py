@@ -64,7 +64,8 @@ def test_the_registry_lists_todays_methods_in_order():
 
 @pytest.mark.django_db
 def test_every_list_of_methods_in_the_site_is_the_registrys():
-    from leaderboard import demo_engine, forms
+    from demo import backend as demo_backend
+    from leaderboard import forms
     from leaderboard.api import common
     from leaderboard.models import Drafter
     from leaderboard.selectors import shapes
@@ -74,7 +75,7 @@ def test_every_list_of_methods_in_the_site_is_the_registrys():
     assert list(forms.SubmitForm().fields["method"].choices) == methods.DRAFTER_CHOICES
     assert common.METHODS == methods.DRAFTER_METHODS
     assert shapes.METHOD_LABELS == dict(methods.DRAFTER_CHOICES)
-    assert demo_engine.SUPPORTED_METHODS == methods.REFERENCE_METHODS
+    assert demo_backend.SUPPORTED_METHODS == methods.REFERENCE_METHODS
 
 
 def test_every_list_of_methods_in_the_worker_is_the_registrys():

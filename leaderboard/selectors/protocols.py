@@ -12,8 +12,8 @@ from worker import metrics
 
 from worker import intervals
 
-from ..services.baselines import PAIRED_RULE, PINNED_RULE
-from . import speedups
+from ..baseline_rule import PAIRED_RULE, PINNED_RULE
+from worker.analysis import speedups
 from ..models import Prompt, PromptSet, Protocol, Result, Run, Target
 from .shapes import protocol_summary
 
@@ -68,7 +68,7 @@ def protocol_detail(p: Protocol) -> dict:
     """The whole spec (canonical JSON and its sha256), each task's prompt set with counts
     and hashes, the multi-turn policy and the definition of every metric."""
     spec = p.spec
-    slugs = {t["prompt_set"] for t in spec["tasks"]}
+    slugs = {t.prompt_set for t in spec.tasks}
     sets = {ps.slug: ps for ps in PromptSet.objects.filter(slug__in=slugs)}
     per_category = defaultdict(Counter)
     for row in (Prompt.objects.filter(prompt_set__slug__in=slugs)
@@ -76,37 +76,37 @@ def protocol_detail(p: Protocol) -> dict:
         per_category[row["prompt_set__slug"]][row["category"]] = row["n"]
     chosen = p.task_prompts()
     tasks = []
-    for t in spec["tasks"]:
-        ps = sets.get(t["prompt_set"])
-        cats = per_category.get(t["prompt_set"], Counter())
-        available = sum(n for c, n in cats.items() if not t["categories"] or c in t["categories"])
+    for t in spec.tasks:
+        ps = sets.get(t.prompt_set)
+        cats = per_category.get(t.prompt_set, Counter())
+        available = sum(n for c, n in cats.items() if not t.categories or c in t.categories)
         tasks.append({
-            "task": t["task"], "prompt_set": t["prompt_set"], "categories": t["categories"],
-            "prompts": t["prompts"], "spec_sha256": t["prompt_set_sha256"],
+            "task": t.task, "prompt_set": t.prompt_set, "categories": list(t.categories),
+            "prompts": t.prompts, "spec_sha256": t.prompt_set_sha256,
             "imported": ps is not None,
             "name": ps.name if ps else None, "format": ps.format if ps else None,
             "source_name": ps.source_name if ps else None,
             "source_sha256": ps.source_sha256 if ps else None,
-            "sha256_matches": bool(ps and ps.source_sha256 == t["prompt_set_sha256"]),
+            "sha256_matches": bool(ps and ps.source_sha256 == t.prompt_set_sha256),
             "set_count": sum(cats.values()), "available": available,
             "category_counts": dict(sorted(cats.items())),
-            "selection": chosen[t["task"]]["selection"],
-            "prompt_ids": chosen[t["task"]]["categories"],
-            "prompt_ids_error": chosen[t["task"]]["error"],
+            "selection": chosen[t.task]["selection"],
+            "prompt_ids": chosen[t.task]["categories"],
+            "prompt_ids_error": chosen[t.task]["error"],
         })
     counts = Run.objects.filter(protocol=p).aggregate(
         runs=Count("id"), succeeded=Count("id", filter=Q(state=Run.SUCCEEDED)))
     return {
-        "protocol": protocol_summary(p), "spec": spec, "canonical_json": p.canonical_json,
-        "sha256": p.sha256, "tasks": tasks, "multi_turn": spec.get("multi_turn"),
+        "protocol": protocol_summary(p), "spec": p.spec_json, "canonical_json": p.canonical_json,
+        "sha256": p.sha256, "tasks": tasks, "multi_turn": spec.multi_turn,
         "multi_turn_policy": multi_turn_policy(), "metrics": metrics.definitions(),
         "runs": counts["runs"], "succeeded_runs": counts["succeeded"],
-        "cells_per_drafter_run": len(p.spec_obj.run_cells("drafter")),
-        "cells_per_baseline_run": len(p.spec_obj.cells(with_drafter=False)),
-        "baseline_mode": p.spec_obj.baseline,
-        "baseline_rule": PAIRED_RULE if p.spec_obj.baseline == "paired" else PINNED_RULE,
+        "cells_per_drafter_run": len(spec.run_cells("drafter")),
+        "cells_per_baseline_run": len(spec.cells(with_drafter=False)),
+        "baseline_mode": spec.baseline,
+        "baseline_rule": PAIRED_RULE if spec.baseline == "paired" else PINNED_RULE,
         "pinned_rule": PINNED_RULE,
-        "repetitions": p.spec_obj.repetitions, "max_drift": p.spec_obj.max_drift,
+        "repetitions": spec.repetitions, "max_drift": spec.max_drift,
         "interval_method": intervals.__doc__.strip(),
         "aggregate_interval_method": speedups.__doc__.strip(),
     }
@@ -124,7 +124,7 @@ def protocol_list_with_specs() -> list[dict]:
     the row's sha256). Two queries."""
     rows = protocol_list()
     specs = dict(Protocol.objects.filter(pk__in=[r["id"] for r in rows])
-                 .values_list("pk", "spec"))
+                 .values_list("pk", "spec_json"))
     for r in rows:
         spec = specs.get(r["id"], {})
         r["spec"] = spec

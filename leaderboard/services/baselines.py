@@ -12,29 +12,13 @@ version, same task, batch size and temperature, k = 0, and:
   as it stands now (an explicit act, written on the protocol page).
 
 `baseline_cell_for` is the only function that picks; everything else reads the stored key
-(selectors: `pinned_baseline_cells`)."""
+(selectors: `pinned_baseline_cells`). The rule in words, as pages and the API show it, is
+leaderboard/baseline_rule.py."""
 from __future__ import annotations
 
 from ..models import Result, Run
 
 PAIRED, SHARED = "paired", "shared"
-
-PINNED_RULE = (
-    "Under a shared baseline a drafter cell divides by the matching cell (same task, batch "
-    "size, temperature, engine version and hardware class) of the newest succeeded baseline "
-    "run of this protocol version at the time the cell is divided. The baseline cell is "
-    "stored with the figure and every page, the API and the export follow it: re-measuring "
-    "the baseline does not change stored speedups. `python manage.py repin_speedups` "
-    "re-divides chosen runs by the baseline the rule picks now, and says which figures "
-    "changed.")
-PAIRED_RULE = (
-    "Under a paired baseline every drafter run measures the baseline cells itself, on the "
-    "same worker, pass by pass beside its own cells (the baseline's pass r, then each k's "
-    "pass r); each speedup divides by the k = 0 cell of the same run.")
-
-
-def baseline_mode(protocol) -> str:
-    return getattr(protocol.spec_obj, "baseline", SHARED)
 
 
 def baseline_cell_for(result: Result, run: Run | None = None) -> Result | None:
@@ -43,7 +27,7 @@ def baseline_cell_for(result: Result, run: Run | None = None) -> Result | None:
     run = run or result.run
     match = dict(task=result.task, batch_size=result.batch_size,
                  temperature=result.temperature, k=0)
-    if baseline_mode(run.protocol) == PAIRED:
+    if run.protocol.spec.baseline == PAIRED:
         return Result.objects.filter(run_id=run.pk, **match).first()
     return (Result.objects.filter(
         run__protocol_id=run.protocol_id, run__drafter__isnull=True, run__hardware=run.hardware,

@@ -22,8 +22,9 @@ class Command(BaseCommand):
             raise CommandError(
                 "gradio is not installed in this environment; the demo runs from .venv-demo: "
                 "`make install`, then `.venv-demo/bin/python manage.py demo`") from e
-        from leaderboard.demo_app import build_app, launch
-        from leaderboard.demo_engine import set_threads
+        # The demo is its own package beside the site (demo/); only this command imports it.
+        from demo.app import build_app, launch
+        from demo.backend import set_threads
 
         set_threads(settings.DEMO_TORCH_THREADS)
         for noisy in ("httpx", "urllib3"):  # gradio's own start-up probes, one line each

@@ -6,8 +6,8 @@ corrected or bonus token in other colours; the step log lists what was drafted a
 target rejected; the counters show acceptance length and rate (``worker.metrics``), tokens
 per second, and the speedup over plain decoding of the same prompt (run once, cached).
 
-Everything but the Gradio layout lives in ``leaderboard/demo_engine.py`` and
-``leaderboard/demo_trace.py``, which the main environment (no gradio) tests.
+Everything but the Gradio layout lives in ``demo/backend.py`` and ``demo/trace.py``, which
+the main environment (no gradio) tests.
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ import pandas as pd  # noqa: E402  (a gradio dependency)
 from django.conf import settings  # noqa: E402
 from django.db import close_old_connections  # noqa: E402
 
-from . import demo_engine as de  # noqa: E402
-from .demo_trace import COLORS, STEP_LOG_HEADERS, TraceView, counters_markdown  # noqa: E402
+from . import backend  # noqa: E402
+from .trace import COLORS, STEP_LOG_HEADERS, TraceView, counters_markdown  # noqa: E402
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 # Least time between two redraws while generating: every redraw costs the generating
@@ -59,11 +59,11 @@ def _steps_frame(rows):
 def load_choices():
     close_old_connections()
     try:
-        targets = de.target_choices()
+        targets = backend.target_choices()
         slugs = [slug for _, slug in targets]
         target = DEFAULT_TARGET if DEFAULT_TARGET in slugs else (slugs[0] if slugs else None)
-        drafters = de.drafter_choices(target) if target else []
-        groups = de.prompt_groups()
+        drafters = backend.drafter_choices(target) if target else []
+        groups = backend.prompt_groups()
     finally:
         close_old_connections()
     return (gr.Dropdown(choices=targets, value=target),
@@ -74,19 +74,19 @@ def load_choices():
 def drafters_for(target_slug):
     close_old_connections()
     try:
-        drafters = de.drafter_choices(target_slug) if target_slug else []
+        drafters = backend.drafter_choices(target_slug) if target_slug else []
     finally:
         close_old_connections()
     if target_slug and not drafters:
         gr.Warning("This target has no drafter the demo's reference engine runs "
-                   f"({', '.join(de.SUPPORTED_METHODS)}).")
+                   f"({', '.join(backend.SUPPORTED_METHODS)}).")
     return gr.Dropdown(choices=drafters, value=drafters[0][1] if drafters else None)
 
 
 def prompts_for(group):
     close_old_connections()
     try:
-        prompts = de.prompts_in_group(group)
+        prompts = backend.prompts_in_group(group)
     finally:
         close_old_connections()
     return gr.Dropdown(choices=prompts, value=None)
@@ -97,7 +97,7 @@ def fill_prompt(prompt_id, current):
         return current
     close_old_connections()
     try:
-        return de.prompt_text(prompt_id) or current
+        return backend.prompt_text(prompt_id) or current
     finally:
         close_old_connections()
 
@@ -117,18 +117,18 @@ def generate(target_slug, drafter_slug, prompt, k, temperature, max_new_tokens, 
     close_old_connections()
     try:
         if not target_slug:
-            raise de.DemoError("Pick a target.")
+            raise backend.DemoError("Pick a target.")
         if not drafter_slug:
-            raise de.DemoError("Pick a drafter (this target has none the demo runs?).")
-        folder = de.target_folder(target_slug)
-        choice = de.resolve_drafter(drafter_slug, target_slug)
-        if not de.engine_loaded(folder):
+            raise backend.DemoError("Pick a drafter (this target has none the demo runs?).")
+        folder = backend.target_folder(target_slug)
+        choice = backend.resolve_drafter(drafter_slug, target_slug)
+        if not backend.engine_loaded(folder):
             yield ([], "", _steps_frame([]), "Loading the target (once per target)…")
-        engine = de.get_engine(folder)
-        proposer = de.get_proposer(choice)
-        prompt_ids = de.encode_prompt(engine, prompt, max_new_tokens, k,
+        engine = backend.get_engine(folder)
+        proposer = backend.get_proposer(choice)
+        prompt_ids = backend.encode_prompt(engine, prompt, max_new_tokens, k,
                                       settings.DEMO_MAX_PROMPT_TOKENS)
-    except de.DemoError as e:
+    except backend.DemoError as e:
         yield _error(str(e))
         return
     finally:
@@ -142,17 +142,17 @@ def generate(target_slug, drafter_slug, prompt, k, temperature, max_new_tokens, 
     if hostlock.is_held(settings.HOST_LOCK):
         yield ([], "", _steps_frame([]),
                f"Waiting for a measurement to finish (up to {settings.DEMO_HOST_WAIT_S} s)…")
-        contended = de.host_contended(settings.HOST_LOCK, settings.DEMO_HOST_WAIT_S)
-    note = f"\n\n**{de.CONTENTION_NOTE}**" if contended else ""
-    view = TraceView(decode=engine.decode, token_text=partial(de.token_text, engine),
+        contended = backend.host_contended(settings.HOST_LOCK, settings.DEMO_HOST_WAIT_S)
+    note = f"\n\n**{backend.CONTENTION_NOTE}**" if contended else ""
+    view = TraceView(decode=engine.decode, token_text=partial(backend.token_text, engine),
                      eos_ids=frozenset(engine.eos_ids))
-    baseline = de.cached_baseline(engine, prompt_ids, max_new_tokens)
+    baseline = backend.cached_baseline(engine, prompt_ids, max_new_tokens)
     base_tps = baseline.tokens_per_s if baseline else None
     yield ([], "", _steps_frame([]),
            f"Generating with {choice.name} (k={k}, temperature {temperature:g}; "
            f"prompt {len(prompt_ids)} tokens)…")
     update, last_shown = None, -MIN_UPDATE_S
-    for update in de.stream_generation(engine, prompt_ids, proposer, k, max_new_tokens,
+    for update in backend.stream_generation(engine, prompt_ids, proposer, k, max_new_tokens,
                                        temperature, seed):
         for trace in update.traces:
             view.add(trace)
@@ -178,7 +178,7 @@ def generate(target_slug, drafter_slug, prompt, k, temperature, max_new_tokens, 
         yield (view.highlighted(), counters_markdown(counters, "measuring plain decoding…"),
                _steps_frame(view.step_log()),
                "Measuring plain decoding of the same prompt (once per prompt)…")
-        baseline = de.plain_decoding(engine, prompt_ids, max_new_tokens)
+        baseline = backend.plain_decoding(engine, prompt_ids, max_new_tokens)
     counters = view.counters(wall, baseline.tokens_per_s)
     status = (("**Timings measured under contention.** " if contended else "")
               + f"**Done:** {view.generated_tokens} tokens in {wall:.2f} s "

@@ -1,8 +1,8 @@
 """What the live demo shows, computed from the reference engine's step traces.
 
 Pure functions and small classes, with no Gradio (and no torch) import, so that the main
-environment (vllm, no gradio) can test them. ``leaderboard/demo_app.py`` turns their output
-into Gradio components.
+environment (vllm, no gradio) can test them. ``demo/app.py`` turns their output into Gradio
+components.
 
 - ``TraceView`` follows one sequence step by step: each emitted token becomes a highlighted
   span (``(text, label)``, the value of ``gr.HighlightedText``) labelled by where it came

@@ -36,13 +36,13 @@ class DemoError(Exception):
 
 def target_choices():
     """(label, slug) of every target."""
-    from .models import Target
+    from leaderboard.models import Target
 
     return [(f"{t.name} ({t.slug})", t.slug) for t in Target.objects.order_by("name")]
 
 
 def drafter_queryset(target_slug):
-    from .models import Drafter
+    from leaderboard.models import Drafter
 
     return (Drafter.objects.filter(target__slug=target_slug, method__in=SUPPORTED_METHODS,
                                    review_state="approved")
@@ -58,7 +58,7 @@ def prompt_groups():
     """(label, "set-slug/category") for each prompt set and category, with the count."""
     from django.db.models import Count
 
-    from .models import Prompt
+    from leaderboard.models import Prompt
 
     rows = (Prompt.objects.values("prompt_set__slug", "prompt_set__name", "category")
             .annotate(n=Count("id")).order_by("prompt_set__slug", "category"))
@@ -68,7 +68,7 @@ def prompt_groups():
 
 def prompts_in_group(group: str):
     """(label, prompt id) of the prompts of one group, in file order."""
-    from .models import Prompt
+    from leaderboard.models import Prompt
 
     if not group or "/" not in group:
         return []
@@ -82,7 +82,7 @@ def prompts_in_group(group: str):
 
 def prompt_text(prompt_id) -> str:
     """The first turn of a prompt (the demo is single-turn)."""
-    from .models import Prompt
+    from leaderboard.models import Prompt
 
     p = Prompt.objects.filter(pk=prompt_id).first()
     return str(p.turns[0]) if p and p.turns else ""
@@ -108,7 +108,7 @@ def check_checkpoint(path, what: str) -> Path:
 
 
 def target_folder(target_slug) -> Path:
-    from .models import Target
+    from leaderboard.models import Target
 
     target = Target.objects.filter(slug=target_slug).first()
     if target is None:
@@ -131,8 +131,8 @@ class DrafterChoice:
 
 def resolve_drafter(drafter_slug, target_slug) -> DrafterChoice:
     """The drafter as the engine needs it; its files (if any) copied into a local folder."""
-    from .models import Drafter
-    from .services.runs import drafter_folder
+    from leaderboard.models import Drafter
+    from leaderboard.services.runs import drafter_folder
 
     d = Drafter.objects.filter(slug=drafter_slug).select_related("target").first()
     if d is None:
