@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 
 from worker import generate as generate_cli
 from worker import metrics, traces
-from worker.engines.reference import Llama, PackedLinear, ReferenceEngine, StepTrace
+from worker.engines.reference import ReferenceEngine, StepTrace
+from worker.llama import Llama, PackedLinear
 from worker.methods import make_proposer
 from worker.proposers import DraftModelProposer, NgramProposer
 

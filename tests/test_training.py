@@ -258,7 +258,7 @@ def test_recipe_loss_falls_and_checkpoint_loads_losslessly(recipe, steps, demo_t
 
 
 def test_hidden_layers_are_the_residual_stream_after_that_many_layers(target):
-    from worker.engines.reference import rope_tables
+    from worker.llama import rope_tables
     from worker.heads import layer_train
 
     model, _ = target

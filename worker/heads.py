@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.engines.reference import (DecoderLayer, KVCache, LlamaConfig, RMSNorm, apply_rope,
-                                      attention_mask, rope_inverse_frequencies, rope_tables)
+from worker.llama import (DecoderLayer, KVCache, LlamaConfig, RMSNorm, apply_rope,
+                          attention_mask, rope_inverse_frequencies, rope_tables)
 
 
 def attention_train(attn, x, cos, signed_sin, mask=None, past=()):

@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from worker.engines.reference import DTYPES, Llama
+from worker.llama import DTYPES, Llama
 from worker.heads import EagleHead, MedusaHeads
 
 

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.engines.reference import Llama, LlamaConfig, rope_tables
+from worker.llama import Llama, LlamaConfig, rope_tables
 from worker.heads import Eagle3Head, EagleHead, MedusaHeads, layer_train
 
 SAVE_DTYPE = torch.bfloat16  # as the demo target is stored; engines upcast
