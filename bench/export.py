@@ -70,7 +70,7 @@ def seed(slug, n_rows, progress):
     target = f.make_target("bench-target", vocab_size=64, hidden_size=16, num_layers=2)
     protocol = f.make_protocol(target, slug=slug, hardware=f"{slug}-hw", tasks=TASKS,
                                batch_sizes=BATCH_SIZES, temperatures=TEMPERATURES, ks=KS)
-    spec = protocol.spec_obj
+    spec = protocol.spec
     task_index = {t: i for i, t in enumerate(TASKS)}
     with transaction.atomic():
         baseline = f.make_run(protocol)

@@ -103,7 +103,7 @@ def seed(target_results: int, reseed: bool):
             base_results = f.add_baseline_results(baseline)
     else:
         base_results = list(Result.objects.filter(run=baseline))
-    per_run = len(protocol.spec_obj.cells(with_drafter=True))
+    per_run = len(protocol.spec.cells(with_drafter=True))
     n = Drafter.objects.filter(slug__startswith="webload-").count()
     started = time.monotonic()
     while have < target_results:
@@ -243,7 +243,7 @@ class CellWriter:
         n = Drafter.objects.filter(slug__startswith=LANDING_PREFIX).count()
         drafter = f.make_drafter(self.protocol.target, f"{LANDING_PREFIX}{n}")
         self.run = f.make_run(self.protocol, drafter, state=Run.RUNNING, cells_done=0)
-        self.cells = [c for c in self.protocol.spec_obj.run_cells(drafter.method)]
+        self.cells = [c for c in self.protocol.spec.run_cells(drafter.method)]
         self.next_cell = 0
 
     @property

@@ -8,10 +8,8 @@ import html
 
 import plotly.graph_objects as go
 
-from worker.analysis import speedup_by_batch
+from worker.analysis import speedups
 from worker.metrics import per_user_speed
-
-from .selectors import speedups as pooled_speedups
 
 from .selectors.shapes import aggregate_cells
 
@@ -111,11 +109,11 @@ def _error_bars(rows, prefix):
 
 def _pooled_by(cells, base, key):
     """{key value: speedups.pooled over those cells} against the pinned baseline cells."""
-    pinned = {pooled_speedups.cell_key(c): c for c in base}
+    pinned = speedups.by_key(base)
     groups = {}
     for c in cells:
         groups.setdefault(c[key], []).append(c)
-    return {v: pooled_speedups.pooled(cs, pinned) for v, cs in sorted(groups.items())}
+    return {v: speedups.pooled(cs, pinned) for v, cs in sorted(groups.items())}
 
 
 def _tasks(cells):
@@ -132,8 +130,9 @@ def best_k(cells, baseline_cells, ks):
     """The speculation budget with the highest mean speedup over batch sizes (all tasks)."""
     best, best_value = None, None
     for k in ks:
-        sp = [v for v in speedup_by_batch([c for c in cells if c["k"] == k], baseline_cells)
-              .values() if v is not None]
+        sp = speedups.speedup_by_batch([c for c in cells if c["k"] == k],
+                                       speedups.by_key(baseline_cells))
+        sp = [v for v in sp.values() if v is not None]
         value = sum(sp) / len(sp) if sp else None
         if value is not None and (best_value is None or value > best_value):
             best, best_value = k, value
@@ -159,7 +158,7 @@ def drafter_charts(page: dict, k: int, temperature: float) -> dict[str, str]:
         rows = sorted((c for c in cells if c["task"] == task), key=lambda c: c["batch_size"])
         traces.append(_line(task, [c["batch_size"] for c in rows], [c["speedup"] for c in rows], i,
                             error=_error_bars(rows, "speedup")))
-    overall = speedup_by_batch(cells, base)
+    overall = speedups.speedup_by_batch(cells, speedups.by_key(base))
     traces.append(_line(ALL_TASKS, list(overall), list(overall.values()), len(tasks), width=3,
                         dash="dot"))
     figs["speedup"] = _figure(traces, f"Speedup vs batch size ({cond})", "batch size",
@@ -220,7 +219,8 @@ def drafter_charts(page: dict, k: int, temperature: float) -> dict[str, str]:
     d = page["drafter"]
     b0 = min(batch_sizes) if batch_sizes else None
     at_b0 = aggregate_cells([c for c in cells if c["batch_size"] == b0], ()).get((), {})
-    measured_speedup = speedup_by_batch([c for c in cells if c["batch_size"] == b0], base).get(b0)
+    measured_speedup = speedups.speedup_by_batch(
+        [c for c in cells if c["batch_size"] == b0], speedups.by_key(base)).get(b0)
     names = ["acceptance length", "speedup"]
     traces = [
         go.Bar(name="claimed", x=names, marker_color="#9ca3af",
@@ -260,7 +260,7 @@ def compare_charts(data: dict, temperature: float, k: int | None,
         cells = [c for c in cells_t if c["k"] == kk]
         name = f"{e['drafter']['name']} (k={kk})" + (", measuring" if e["run"].get("measuring")
                                                       else "")
-        sp = speedup_by_batch(cells, base)
+        sp = speedups.speedup_by_batch(cells, speedups.by_key(base))
         by_b = _pooled_by(cells, base, "batch_size")
         sp_traces.append(_line(name, list(sp), list(sp.values()), i,
                                error=_error_bars([by_b.get(b) for b in sp], "speedup")))
@@ -290,7 +290,7 @@ def compare_charts(data: dict, temperature: float, k: int | None,
                         "acceptance_length": overall.get("acceptance_length"),
                         "acceptance_rate": overall.get("acceptance_rate"),
                         "lossless_share": overall.get("lossless_share"),
-                        "tokens_per_step": pooled_speedups.pooled(cells, None)["tokens_per_step"],
+                        "tokens_per_step": speedups.pooled(cells, None)["tokens_per_step"],
                         "speedup_by_batch": sp})
     scope = f"{task or 'all tasks'}, temperature {temperature:g}" + (
         f", k = {k}" if k is not None else ", each at its best k")

@@ -50,7 +50,7 @@ class ProtocolSelect(forms.Select):
         instance = getattr(value, "instance", None)
         if instance is not None:
             option["attrs"]["data-target"] = str(instance.target_id)
-            option["attrs"]["data-ks"] = ",".join(str(k) for k in instance.spec["ks"])
+            option["attrs"]["data-ks"] = ",".join(str(k) for k in instance.spec.ks)
         return option
 
 
@@ -59,7 +59,7 @@ class ProtocolChoiceField(forms.ModelChoiceField):
 
     def label_from_instance(self, p):
         return (f"{p.slug} v{p.version} \u2014 {p.target.name}, {p.engine} on {p.hardware}, "
-                f"k in {list(p.spec['ks'])}")
+                f"k in {list(p.spec.ks)}")
 
 
 class SubmitForm(forms.Form):
@@ -102,7 +102,7 @@ class SubmitForm(forms.Form):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         protocols = list(self.fields["protocol"].queryset)
-        ks = sorted({k for p in protocols for k in p.spec["ks"]})
+        ks = sorted({k for p in protocols for k in p.spec.ks})
         self.fields["k"].choices = [("", "all of the protocol's")] + [(k, k) for k in ks]
         if protocols and not self.is_bound:
             self.initial.setdefault("protocol", protocols[0].pk)
@@ -116,8 +116,8 @@ class SubmitForm(forms.Form):
                                        f"{protocol.target.name}, not {target.name}: choose a "
                                        "protocol for that target")
         k = cleaned.get("k")
-        if protocol and k is not None and k not in protocol.spec["ks"]:
-            self.add_error("k", f"this protocol measures k in {list(protocol.spec['ks'])}")
+        if protocol and k is not None and k not in protocol.spec.ks:
+            self.add_error("k", f"this protocol measures k in {list(protocol.spec.ks)}")
         _claims_need_source(self, cleaned)
         return cleaned
 

@@ -75,7 +75,10 @@ class Protocol(models.Model):
     target = models.ForeignKey(Target, on_delete=models.PROTECT, related_name="protocols")
     engine = models.CharField(max_length=50, default="vllm")
     hardware = models.CharField(max_length=50, help_text="hardware class = Celery queue")
-    spec = models.JSONField(help_text="the canonical measurement spec")
+    # The stored canonical spec (the column keeps its name "spec"); code reads the typed
+    # `spec` below, built from it once.
+    spec_json = models.JSONField(db_column="spec", verbose_name="spec",
+                                 help_text="the canonical measurement spec")
     sha256 = models.CharField(max_length=64, editable=False, db_index=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -89,12 +92,23 @@ class Protocol(models.Model):
         return f"{self.slug} v{self.version}"
 
     @property
-    def spec_obj(self) -> ProtocolSpec:
-        return ProtocolSpec.from_dict(self.spec)
+    def spec(self) -> ProtocolSpec:
+        """The typed spec, built from the stored JSON once per instance (again only when
+        `spec_json` is replaced: assigned, refreshed from the database)."""
+        built = self.__dict__.get("_spec_built")
+        if built is None or built[0] is not self.spec_json:
+            built = self.__dict__["_spec_built"] = (self.spec_json,
+                                                    ProtocolSpec.from_dict(self.spec_json))
+        return built[1]
+
+    @spec.setter
+    def spec(self, value: ProtocolSpec | dict):
+        """Set the spec from a ProtocolSpec or its dict (Protocol(spec=...) works too)."""
+        self.spec_json = value.to_dict() if isinstance(value, ProtocolSpec) else dict(value)
 
     @property
     def canonical_json(self):
-        return canonical_json(self.spec)
+        return canonical_json(self.spec_json)
 
     def has_results(self):
         return self.pk is not None and Result.objects.filter(run__protocol_id=self.pk).exists()
@@ -113,7 +127,7 @@ class Protocol(models.Model):
         task, categories in the order the task names them (an empty list when a named
         category gives none); "error" says why a task's prompts cannot be chosen."""
         out = {}
-        for task in self.spec_obj.tasks:
+        for task in self.spec.tasks:
             entry = {"selection": task.selection, "prompts": task.prompts,
                      "categories": {c: [] for c in task.categories}, "error": ""}
             try:
@@ -143,14 +157,15 @@ class Protocol(models.Model):
 
     def clean(self):
         try:
-            self.check_prompts(ProtocolSpec.from_dict(self.spec))
+            self.check_prompts(self.spec)
         except (ValueError, TypeError, KeyError) as e:
-            raise ValidationError({"spec": str(e)}) from None
+            raise ValidationError({"spec_json": str(e)}) from None
 
     def save(self, *args, **kwargs):
-        spec = ProtocolSpec.from_dict(self.spec)  # validates
+        spec = self.spec  # validates
         self.check_prompts(spec)
-        self.spec = spec.to_dict()
+        self.spec_json = spec.to_dict()   # canonical; the typed spec stays the one built
+        self.__dict__["_spec_built"] = (self.spec_json, spec)
         self.slug, self.version = spec.slug, spec.version
         self.engine, self.hardware = spec.engine, spec.hardware
         new_hash = spec.sha256()
@@ -167,7 +182,7 @@ class Protocol(models.Model):
 
     def new_version(self, **changes):
         """A copy of this protocol with `changes` applied to its spec, saved as the next version."""
-        spec = dict(self.spec, **changes)
+        spec = dict(self.spec_json, **changes)
         spec["version"] = self.next_version()
         return Protocol.objects.create(title=self.title, target=self.target, spec=spec)
 

@@ -15,7 +15,8 @@ from worker import analysis, metrics
 
 from . import records
 from .models import Protocol, Result, Run
-from .selectors import speedups
+from worker.analysis import speedups
+from .selectors.pinned import baseline_runs_of, pinned_for
 from .selectors.board import latest_succeeded_runs, shown_runs
 from .selectors.shapes import aggregate_cells, protocol_summary
 
@@ -77,8 +78,8 @@ def drafter_analysis(page: dict) -> dict:
     for t in sorted({c["temperature"] for c in cells}):
         base_t = [c for c in page.get("baseline_cells") or [] if c["temperature"] == t]
         for k in sorted({c["k"] for c in cells}):
-            sp = analysis.speedup_by_batch([c for c in cells if c["k"] == k
-                                            and c["temperature"] == t], base_t)
+            sp = speedups.speedup_by_batch([c for c in cells if c["k"] == k
+                                            and c["temperature"] == t], speedups.by_key(base_t))
             by_batch = [{"batch_size": b, "measured_speedup": sp.get(b), **_pooled(
                 [a for a in rows if a["k"] == k and a["temperature"] == t
                  and a["batch_size"] == b])}
@@ -115,6 +116,13 @@ def _pooled(rows: list[dict]) -> dict:
             "shares": shares}
 
 
+def chosen_temperature(spec, temperature) -> float:
+    """The temperature asked for when the protocol measures it, else its first."""
+    temps = list(spec.temperatures)
+    return temps[0] if temperature is None or float(temperature) not in temps \
+        else float(temperature)
+
+
 def protocol_pays(protocol: Protocol, temperature: float | None = None,
                   include_running: bool = False) -> dict:
     """The "When does it pay?" page and GET /api/protocols/{slug}/{version}/analysis: for
@@ -127,11 +135,9 @@ def protocol_pays(protocol: Protocol, temperature: float | None = None,
     records from storage; cached under the runs' ids and, for a run still measuring, its
     cells done and attempts (then one query)."""
     spec = protocol.spec
-    temps = [float(t) for t in spec["temperatures"]]
-    temperature = temps[0] if temperature is None or float(temperature) not in temps \
-        else float(temperature)
-    tasks = [t["task"] for t in spec["tasks"]]
-    batch_sizes, ks = list(spec["batch_sizes"]), list(spec["ks"])
+    temperature = chosen_temperature(spec, temperature)
+    tasks = list(spec.task_names)
+    batch_sizes, ks = list(spec.batch_sizes), list(spec.ks)
     drafter_runs, baselines = shown_runs(protocol, include_running=include_running)
     key = (protocol.pk, protocol.sha256, temperature,
            sorted((r["id"], str(r["queued_at"]), r["state"], r["cells_done"], r["attempts"])
@@ -145,8 +151,8 @@ def protocol_pays(protocol: Protocol, temperature: float | None = None,
                     .order_by("run_id", "task", "batch_size", "k")):
             by_run[res.run_id].append(res.as_cell_dict())
         # every drafter divides by the baseline cells stored with its cells
-        # (selectors.speedups; paired: its own k = 0 cells)
-        pinned = speedups.pinned_for([c for cs in by_run.values() for c in cs])
+        # (selectors.pinned; paired: its own k = 0 cells)
+        pinned = pinned_for([c for cs in by_run.values() for c in cs])
         return _protocol_pays(protocol, temperature, tasks, batch_sizes, ks, drafter_runs,
                               baselines, by_run, pinned)
     out = _cached(("protocol", key), build)
@@ -161,7 +167,7 @@ def _protocol_pays(protocol, temperature, tasks, batch_sizes, ks, drafter_runs, 
     for r in sorted(drafter_runs, key=lambda r: r["drafter"]["name"].lower()):
         d = r["drafter"]
         mine = pinned.get(r["id"], {})
-        base_ids = speedups.baseline_runs_of(mine)
+        base_ids = baseline_runs_of(mine)
         base_run = {"id": base_ids[-1]} if base_ids else None
         cells = [c for c in by_run.get(r["id"], []) if c["k"] > 0]
         base_cells = sorted(mine.values(), key=speedups.cell_key)
@@ -352,10 +358,7 @@ def recommendation(protocol: Protocol, mix: dict[str, float], batch_size: int,
                    temperature: float | None = None) -> dict:
     """The (drafter, k) with the highest measured throughput for a task mix and batch size
     (worker.analysis.recommend), the baseline included. Two queries."""
-    spec = protocol.spec
-    temps = [float(t) for t in spec["temperatures"]]
-    temperature = temps[0] if temperature is None or float(temperature) not in temps \
-        else float(temperature)
+    temperature = chosen_temperature(protocol.spec, temperature)
     drafter_runs, baselines = latest_succeeded_runs(protocol)
     ids = [r["id"] for r in drafter_runs] + [r["id"] for r in baselines.values()]
     rows = list(Result.objects.filter(run_id__in=ids, temperature=temperature).values(
@@ -365,7 +368,7 @@ def recommendation(protocol: Protocol, mix: dict[str, float], batch_size: int,
     # every drafter divides by the baseline cells stored with its cells (pinned; paired:
     # its own k = 0 cells): one query for those cells
     drafter_rows = [x for x in rows if x["run_id"] in runs and x["k"] > 0]
-    pinned = speedups.pinned_for(drafter_rows)
+    pinned = pinned_for(drafter_rows)
     cells = [{**x, "drafter": runs[x["run_id"]]["drafter"]["slug"]} for x in drafter_rows
              if x["baseline_result_id"]]
     # the "baseline" option: the pinned cells of the newest drafter run with any
@@ -373,24 +376,11 @@ def recommendation(protocol: Protocol, mix: dict[str, float], batch_size: int,
                  key=lambda r: (r["queued_at"], r["id"]), default=None)
     base_cells = list(pinned[newest["id"]].values()) if newest else []
     out = {"temperature": temperature, "protocol": protocol_summary(protocol)}
-    result = analysis.recommend(cells, base_cells, mix, batch_size)
+    pinned_of_drafter = {r["drafter"]["slug"]: pinned[r["id"]] for r in drafter_runs
+                         if r["id"] in pinned}
+    result = analysis.recommend(cells, base_cells, mix, batch_size, pinned_of_drafter)
     names = {r["drafter"]["slug"]: r["drafter"] for r in drafter_runs}
-    run_of = {r["drafter"]["slug"]: r["id"] for r in drafter_runs}
-    stored = {(x["drafter"], x["k"], x["task"], x["batch_size"]): x["speedup"] for x in cells}
     for o in result["options"]:
-        if o["drafter"]:  # speedups against the drafter's own pinned baseline cells
-            per_task = o["per_task"]
-            for t, v in per_task.items():
-                v["speedup"] = stored.get((o["drafter"], o["k"], t, result["batch_size"]))
-            base = {key[0]: c["output_throughput"] for key, c in
-                    pinned.get(run_of[o["drafter"]], {}).items()
-                    if key[1] == result["batch_size"]}
-            w = result["mix"]
-            base_mix = (1.0 / sum(wt / base[t] for t, wt in w.items())
-                        if all(base.get(t) for t in w) else None)
-            o["speedup"] = metrics.speedup(o["throughput"], base_mix)
-            sps = [v["speedup"] for v in per_task.values() if v["speedup"] is not None]
-            o["speedup_min"], o["speedup_max"] = (min(sps), max(sps)) if sps else (None, None)
         o["drafter"] = names.get(o["drafter"]) if o["drafter"] else None
         o["per_task"] = [{"task": t, **v} for t, v in o["per_task"].items()]
     out.update(result)

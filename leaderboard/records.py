@@ -23,15 +23,8 @@ from worker.protocol import Cell
 log = logging.getLogger(__name__)
 
 
-def as_cell(cell) -> Cell:
-    """A worker.protocol.Cell from a Cell or a cell dict (selectors' cell shape)."""
-    if isinstance(cell, Cell):
-        return cell
-    return Cell(cell["task"], cell["batch_size"], float(cell["temperature"]), cell["k"])
-
-
 def cell_name(run_id: int, cell) -> str:
-    c = as_cell(cell)
+    c = Cell.of(cell)
     return f"runs/{run_id}/cells/{c.task}-b{c.batch_size}-t{c.temperature:g}-k{c.k}.jsonl.gz"
 
 
@@ -86,7 +79,7 @@ class RunRecords:
         self._by_cell: dict[Cell, list[dict]] = {}
 
     def cell(self, cell) -> list[dict]:
-        key = as_cell(cell)
+        key = Cell.of(cell)
         if key not in self._by_cell:
             self._by_cell[key] = read_cell(self.run_id, key)
         return self._by_cell[key]

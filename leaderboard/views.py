@@ -2,6 +2,7 @@
 (submissions, tokens, runs)."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import sys
 import time
@@ -154,22 +155,24 @@ def home(request):
         return render(request, "leaderboard/home.html", {"protocol": None})
     spec = protocol.spec
     task = request.GET.get("task") or None
-    if task not in [t["task"] for t in spec["tasks"]]:
+    if task not in spec.task_names:
         task = None
-    b_param = request.GET.get("batch_size")
-    # default: the smallest batch size with rows (a newcomer's first comparison is measured
-    # at the largest batch size: worker.measure.first_comparison)
-    batch_size = None if b_param == "all" else (
-        _int(b_param, spec["batch_sizes"]) or board.SMALLEST_MEASURED)
     t_param = request.GET.get("temperature")
-    temps = [float(t) for t in spec["temperatures"]]
-    temperature = None if t_param == "all" else _float(t_param, temps)
+    temperature = None if t_param == "all" else _float(t_param, spec.temperatures)
     if temperature is None and t_param != "all":
-        temperature = temps[0]
-    k = _int(request.GET.get("k"), spec["ks"])
+        temperature = spec.temperatures[0]
+    k = _int(request.GET.get("k"), spec.ks)
     method = request.GET.get("method") or None
     if method not in dict(Drafter.METHODS):
         method = None
+    # The state of the board's runs, read at most once: for the default batch size (the
+    # smallest with rows) and for the fragment cache.
+    signature = functools.cache(lambda: board.leaderboard_signature(protocol))
+    b_param = request.GET.get("batch_size")
+    batch_size = None if b_param == "all" else (
+        _int(b_param, spec.batch_sizes)
+        or board.smallest_measured_batch_size(protocol, signature().landing, task=task,
+                                              temperature=temperature, k=k, method=method))
     sort = request.GET.get("sort") or "speedup"
     sort = sort if sort in board.SORT_KEYS else "speedup"
     descending = request.GET.get("dir", "desc") != "asc"
@@ -196,14 +199,12 @@ def home(request):
                  "next": _query(request, page=n + 1) if n < pages else None}
         html = render_to_string("leaderboard/_board.html", {
             "board": table, "headers": headers, "pager": pager, "p": table["protocol"]})
-        return {"html": html, "board": table, "meta_rows": total,
-                "meta_batch_size": table["filters"]["batch_size"]}
+        return {"html": html, "board": table, "meta_rows": total}
 
     fragment = cached_fragment(
         ("board", protocol.pk, sorted(filters.items()), page, _board_params(request)),
-        lambda: board.leaderboard_signature(protocol), build)
+        signature, build)
     ref = shapes.protocol_ref(protocol)
-    batch_size = fragment["meta_batch_size"]
     # An empty board says what is measuring, and what comes next (not cached: ETAs move).
     measuring = run_reads.active_runs(protocol=protocol) if not fragment["meta_rows"] else []
     return render(request, "leaderboard/home.html", {
@@ -211,8 +212,8 @@ def home(request):
         "protocol": shapes.protocol_summary(protocol), "board_html": fragment["html"],
         "board": fragment.get("board"), "filters": filters,
         "protocols": protocol_choices(), "protocol_ref": ref,
-        "methods": Drafter.METHODS, "ks": spec["ks"], "tasks": [t["task"] for t in spec["tasks"]],
-        "batch_sizes": spec["batch_sizes"], "temperatures": temps,
+        "methods": Drafter.METHODS, "ks": spec.ks, "tasks": spec.task_names,
+        "batch_sizes": spec.batch_sizes, "temperatures": spec.temperatures,
         "b_param": "all" if batch_size is None else str(batch_size),
         "t_param": "all" if temperature is None else f"{temperature:g}",
         "compare_url": reverse("compare") + f"?protocol={ref}",
@@ -389,12 +390,11 @@ def compare(request):
     candidates = board.compare_candidates(protocol)
     slugs = list(dict.fromkeys(s for s in request.GET.getlist("d") if s))[:4]
     spec = protocol.spec
-    temps = [float(t) for t in spec["temperatures"]]
-    temperature = _float(request.GET.get("temperature"), temps)
-    temperature = temps[0] if temperature is None else temperature
-    k = _int(request.GET.get("k"), spec["ks"])
+    temperature = _float(request.GET.get("temperature"), spec.temperatures)
+    temperature = spec.temperatures[0] if temperature is None else temperature
+    k = _int(request.GET.get("k"), spec.ks)
     task = request.GET.get("task") or None
-    if task not in [t["task"] for t in spec["tasks"]]:
+    if task not in spec.task_names:
         task = None
     figs, summary, data, error = {}, [], None, None
     if len(slugs) == 1:
@@ -431,7 +431,7 @@ def protocol_detail(request, slug, version):
     if protocol is None:
         raise Http404("no such protocol")
     return render(request, "leaderboard/protocol_detail.html",
-                  {"p": protocols.protocol_detail(protocol),
+                  {"p": protocols.protocol_detail(protocol), "spec": protocol.spec,
                    "pays_definitions": analysis.definitions()})
 
 
@@ -453,8 +453,7 @@ def protocol_pays(request, slug, version):
     protocol = protocols.get_protocol(f"{slug}@{version}")
     if protocol is None:
         raise Http404("no such protocol")
-    spec = protocol.spec
-    temps = [float(t) for t in spec["temperatures"]]
+    temps = protocol.spec.temperatures
     temperature = _float(request.GET.get("temperature"), temps)
     data = pays.protocol_pays(protocol, temperature, include_running=True)
     tasks = data["tasks"]
@@ -495,8 +494,7 @@ def recipes(request):
         raise Http404("no such protocol")
     temperature = None
     if protocol is not None:
-        temperature = _float(request.GET.get("temperature"),
-                             [float(t) for t in protocol.spec["temperatures"]])
+        temperature = _float(request.GET.get("temperature"), protocol.spec.temperatures)
     page = recipe_reads.recipe_page(protocol, temperature)
     figs = charts.recipe_charts(page)
     return render(request, "leaderboard/recipes.html", {
@@ -504,6 +502,14 @@ def recipes(request):
         "task_figs": [(key, f) for key, f in figs.items() if key.startswith("al_task_")],
         "protocols": recipe_reads.recipe_protocols(),
     })
+
+
+# ---- the live demo ------------------------------------------------------------------------
+
+def demo_page(request):
+    """Links to the Gradio app (`manage.py demo`, the demo/ package: a separate process in its
+    own environment) and embeds it in an iframe."""
+    return render(request, "leaderboard/demo.html", {"demo_url": settings.SPECBOARD_DEMO_URL})
 
 
 # ---- accounts ----------------------------------------------------------------------------

@@ -81,7 +81,7 @@ def make_trained_drafter(target, name, recipe, method, data=None, seconds=100.0,
 
 
 def make_run(protocol, drafter=None, state=Run.SUCCEEDED, engine_version="0.0.test", **fields):
-    cells = len(protocol.spec_obj.run_cells(drafter.method if drafter else "baseline"))
+    cells = len(protocol.spec.run_cells(drafter.method if drafter else "baseline"))
     now = timezone.now()
     done = cells if state == Run.SUCCEEDED else fields.pop("cells_done", 0)
     return Run.objects.create(
@@ -142,7 +142,7 @@ def result_from_counts(run, task, batch_size, temperature, k, c, baseline=None):
 
 
 def add_baseline_results(run):
-    spec = run.protocol.spec_obj
+    spec = run.protocol.spec
     rows = [result_from_counts(run, c.task, c.batch_size, c.temperature, 0,
                                baseline_counts(_task_index(spec, c.task), c.batch_size,
                                                c.temperature))
@@ -151,7 +151,7 @@ def add_baseline_results(run):
 
 
 def add_drafter_results(run, quality, baseline_results):
-    spec = run.protocol.spec_obj
+    spec = run.protocol.spec
     base = {(r.task, r.batch_size, float(r.temperature)): r for r in baseline_results}
     rows = [result_from_counts(run, c.task, c.batch_size, c.temperature, c.k,
                                drafter_counts(quality, _task_index(spec, c.task), c.batch_size,
@@ -187,7 +187,7 @@ def landing_cell(run, cell, quality=0.6):
     worker.metrics, one record per request (same outputs as the baseline: lossless)."""
     from worker.cell import FIGURE_KEYS, CellResult
 
-    spec = run.protocol.spec_obj
+    spec = run.protocol.spec
     i = _task_index(spec, cell.task)
     counts = (drafter_counts(quality, i, cell.batch_size, cell.temperature, cell.k) if cell.k
               else baseline_counts(i, cell.batch_size, cell.temperature))

@@ -1,4 +1,4 @@
-"""When does acceptance pay (worker/analysis.py, the "When does it pay?" page, the drafter
+"""When does acceptance pay (worker/analysis/, the "When does it pay?" page, the drafter
 page's section, GET /api/protocols/{slug}/{version}/analysis, GET /api/recommend and the
 export's analysis columns).
 

@@ -14,7 +14,7 @@ from .conftest import purge_queue
 QUEUE = "browser-test"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
-pytestmark = [pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
 
 @pytest.fixture
@@ -217,9 +217,9 @@ def test_the_readme_screenshot_of_the_leaderboard(live_server, browser_page, scr
     landed = f.make_drafter(target, "n-gram 1-3",
                             params={"prompt_lookup_min": 1, "prompt_lookup_max": 3})
     run = f.make_run(protocol, landed, state=Run.RUNNING)
-    for cell in protocol.spec_obj.run_cells("ngram"):
+    for cell in protocol.spec.run_cells("ngram"):
         runs.record_cell(run, f.landing_cell(run, cell, quality=0.45))
-    runs.update_progress(run, len(protocol.spec_obj.run_cells("ngram")), 0.0)
+    runs.update_progress(run, len(protocol.spec.run_cells("ngram")), 0.0)
     Run.objects.filter(pk=run.pk).update(state=Run.SUCCEEDED)
 
     page = browser_page

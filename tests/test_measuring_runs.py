@@ -55,15 +55,15 @@ def running_run(protocol, name="n-gram"):
 def test_an_empty_board_says_what_is_measuring_next_then_shows_the_first_comparison(client):
     protocol = paired_protocol()
     drafter, run = running_run(protocol)
-    groups = measurement_groups_for(protocol.spec_obj, drafter.method)
-    task, temperature, b = first_comparison(protocol.spec_obj)
+    groups = measurement_groups_for(protocol.spec, drafter.method)
+    task, temperature, b = first_comparison(protocol.spec)
 
     response = client.get(reverse("home"))
     assert response.context["board"]["rows"] == []
     (active,) = response.context["measuring"]
     assert active["id"] == run.pk and active["cells_total"] == run.cells_total
     assert active["next"] == {"task": task, "temperature": temperature, "batch_size": b,
-                              "ks": [0, *protocol.spec_obj.ks]}
+                              "ks": [0, *protocol.spec.ks]}
     html = response.content.decode()
     assert 'id="measuring-now"' in html and reverse("queue") in html
     assert f"{task}, batch {b}, temperature 0: baseline, k=2, k=4" in html
@@ -76,10 +76,10 @@ def test_an_empty_board_says_what_is_measuring_next_then_shows_the_first_compari
     response = client.get(reverse("home"))
     board = response.context["board"]
     # the default batch size is the smallest with rows: the first comparison's
-    assert board["filters"]["batch_size"] == b == max(protocol.spec_obj.batch_sizes)
+    assert board["filters"]["batch_size"] == b == max(protocol.spec.batch_sizes)
     assert response.context["measuring"] == []        # the board has rows: no panel
     rows = board["rows"]
-    assert sorted(r["k"] for r in rows) == list(protocol.spec_obj.ks)
+    assert sorted(r["k"] for r in rows) == list(protocol.spec.ks)
     for row in rows:
         cell = Result.objects.get(run=run, k=row["k"], batch_size=b)
         # the speedup divides by the run's own k = 0 cell (services.baselines' rule)
@@ -101,7 +101,7 @@ def test_an_empty_board_says_what_is_measuring_next_then_shows_the_first_compari
     measure_groups(run, groups[1:], time.monotonic())
     assert runs.finish(run, Run.SUCCEEDED)
     rows = client.get(reverse("home")).context["board"]["rows"]
-    assert {r["batch_size"] for r in rows} == {min(protocol.spec_obj.batch_sizes)}
+    assert {r["batch_size"] for r in rows} == {min(protocol.spec.batch_sizes)}
     assert all(not r["run"]["measuring"] and r["rank"] for r in rows)
 
 
@@ -170,7 +170,7 @@ def test_the_drafter_page_of_a_queued_run_says_what_comes_next(client):
     page = client.get(reverse("drafter", args=[drafter.slug]))
     (active,) = page.context["measuring"]
     assert active["id"] == run.pk and active["position"] == 2 and ahead.pk != run.pk
-    task, temperature, b = first_comparison(protocol.spec_obj)
+    task, temperature, b = first_comparison(protocol.spec)
     assert (active["next"]["task"], active["next"]["batch_size"]) == (task, b)
     html = page.content.decode()
     assert 'id="measuring-now"' in html and reverse("queue") in html
@@ -180,11 +180,11 @@ def test_the_drafter_page_of_a_queued_run_says_what_comes_next(client):
 def test_compare_pays_and_the_api_mark_a_measuring_run(client):
     protocol = paired_protocol()
     finished, done_run = running_run(protocol, "finished")
-    measure_groups(done_run, measurement_groups_for(protocol.spec_obj, "ngram"),
+    measure_groups(done_run, measurement_groups_for(protocol.spec, "ngram"),
                    time.monotonic())
     assert runs.finish(done_run, Run.SUCCEEDED)
     drafter, run = running_run(protocol, "still measuring")
-    measure_groups(run, measurement_groups_for(protocol.spec_obj, "ngram")[:1], time.monotonic())
+    measure_groups(run, measurement_groups_for(protocol.spec, "ngram")[:1], time.monotonic())
     ref = f"{protocol.slug}@{protocol.version}"
 
     response = client.get(reverse("compare"), {"protocol": ref, "d": [finished.slug, drafter.slug]})
@@ -193,7 +193,7 @@ def test_compare_pays_and_the_api_mark_a_measuring_run(client):
     summary = {s["drafter"]["slug"]: s for s in response.context["summary"]}
     assert summary[drafter.slug]["run"]["measuring"]
     assert not summary[finished.slug]["run"]["measuring"]
-    b = first_comparison(protocol.spec_obj)[2]
+    b = first_comparison(protocol.spec)[2]
     assert summary[drafter.slug]["speedup_by_batch"][b] is not None
     html = response.content.decode()
     assert 'id="measuring-note"' in html and ", measuring" in html   # chart trace names
@@ -229,7 +229,7 @@ def test_the_cached_board_follows_a_running_runs_cells(client, settings):
     cache.clear()
     protocol = paired_protocol()
     drafter, run = running_run(protocol)
-    groups = measurement_groups_for(protocol.spec_obj, drafter.method)
+    groups = measurement_groups_for(protocol.spec, drafter.method)
     assert client.get(reverse("home")).context["measuring"]
     measure_groups(run, groups[:1], time.monotonic())
     html = client.get(reverse("home")).content.decode()

@@ -98,6 +98,23 @@ def test_leaderboard_one_task_matches_the_stored_cell_figures(client, board):
         assert row["speedup"] == pytest.approx(cell.speedup)
 
 
+def shown_batch_size(html: str) -> str:
+    """The option selected in the page's batch size menu."""
+    menu = re.search(r'<select name="batch_size".*?</select>', html, re.S).group(0)
+    (value,) = re.findall(r'<option value="([^"]+)" selected>', menu)
+    return value
+
+
+def test_leaderboard_shows_the_smallest_measured_batch_size_unless_one_is_chosen(client, board):
+    sizes = board["protocol"].spec.batch_sizes
+    assert len(sizes) > 1
+    for query, shown in [({}, min(sizes)), ({"batch_size": max(sizes)}, max(sizes))]:
+        response = client.get(reverse("home"), query)
+        assert response.context["board"]["filters"]["batch_size"] == shown
+        assert {r["batch_size"] for r in response.context["board"]["rows"]} == {shown}
+        assert shown_batch_size(response.content.decode()) == str(shown)
+
+
 def test_leaderboard_sorts_filters_and_hides_withdrawn(client, board):
     response = client.get(reverse("home"), {"sort": "acceptance_length", "dir": "asc", "k": 4})
     als = [r["acceptance_length"] for r in response.context["board"]["rows"]]

@@ -308,18 +308,18 @@ def test_the_worker_figures_are_result_columns():
 
 
 def test_the_demo_waits_for_the_host_lock_then_labels_contention(tmp_path):
-    from leaderboard import demo_engine
+    from demo import backend as demo_backend
     from worker.hostlock import HostLock
 
     lock = tmp_path / "host.lock"
     waited = []
-    assert demo_engine.host_contended(lock, 0.2, on_wait=lambda: waited.append(1)) is False
+    assert demo_backend.host_contended(lock, 0.2, on_wait=lambda: waited.append(1)) is False
     assert waited == []
     with HostLock(lock, log=lambda m: None):
         # held by an open file of this process: the probe opens its own, so it sees it held
-        assert demo_engine.host_contended(lock, 0.3, on_wait=lambda: waited.append(1)) is True
+        assert demo_backend.host_contended(lock, 0.3, on_wait=lambda: waited.append(1)) is True
     assert waited == [1]
-    assert demo_engine.host_contended(lock, 0.2) is False
+    assert demo_backend.host_contended(lock, 0.2) is False
 
 
 def test_repin_speedups_moves_a_run_to_the_baseline_the_rule_picks_now():

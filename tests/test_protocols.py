@@ -41,6 +41,20 @@ def test_protocol_without_results_can_be_edited(target):
     assert p.sha256 != first
 
 
+def test_a_protocol_builds_its_typed_spec_once_per_row_object(target):
+    created = Protocol.objects.create(target=target, spec=make_spec())
+    p = Protocol.objects.get(pk=created.pk)
+    assert p.spec is p.spec and p.spec == make_spec()
+    # stored as before: the same JSON in the column "spec", the same hash
+    assert Protocol._meta.get_field("spec_json").column == "spec"
+    assert p.spec_json == make_spec().to_dict() and p.sha256 == make_spec().sha256()
+    # a new spec (assigned, or read again from the database) is built again, once
+    p.spec = make_spec(max_new_tokens=32)
+    assert p.spec.max_new_tokens == 32 and p.spec is p.spec
+    p.refresh_from_db()
+    assert p.spec.max_new_tokens == 128 and p.spec is p.spec
+
+
 def add_result(protocol):
     run = Run.objects.create(protocol=protocol, hardware="cpu", state=Run.SUCCEEDED)
     return Result.objects.create(run=run, task="chat", batch_size=1, temperature=0.0, k=0,
@@ -55,9 +69,9 @@ def test_protocol_with_results_is_immutable_and_a_new_version_is_made(target):
     with pytest.raises(ProtocolImmutableError, match="create version 2"):
         p.save()
     p.refresh_from_db()
-    assert p.spec["max_new_tokens"] == 128
+    assert p.spec.max_new_tokens == 128
     v2 = p.new_version(max_new_tokens=32)
-    assert (v2.slug, v2.version, v2.spec["max_new_tokens"]) == ("p", 2, 32)
+    assert (v2.slug, v2.version, v2.spec.max_new_tokens) == ("p", 2, 32)
     assert v2.sha256 != p.sha256
 
 

@@ -33,7 +33,7 @@ def site(settings, tmp_path):
                                batch_sizes=(1, 4), temperatures=(0.0, 1.0), ks=(2, 4))
     seeded = f.seed_board(protocol, 3)
     landing = f.make_run(protocol, f.make_drafter(target, "still landing"), state=Run.RUNNING)
-    cells = [c for c in protocol.spec_obj.run_cells("ngram") if c.k]
+    cells = [c for c in protocol.spec.run_cells("ngram") if c.k]
     yield {"protocol": protocol, "seeded": seeded, "landing": landing, "cells": cells}
     cache.clear()
 

@@ -35,7 +35,7 @@ def test_setup_demo_twice_gives_the_same_rows(demo_target_dir, capsys):
     assert {s for _, s, _ in first["prompt_sets"]} == {"mt-bench", "humaneval"}
     assert first["prompts"] == 80 + 164
     protocol = Protocol.objects.get()
-    spec = protocol.spec_obj
+    spec = protocol.spec
     assert spec.hardware == "cpu" and [t.task for t in spec.tasks] == [
         "chat", "math-reasoning", "code"]
     assert spec.batch_sizes == (1, 4, 8) and spec.ks == (2, 4) and spec.max_new_tokens == 128
@@ -59,7 +59,7 @@ def test_demo_protocol_v2_is_paired_stratified_with_repetitions_and_keeps_v1(dem
 
     rows = setup.setup_demo(progress=lambda m: None)
     v2 = rows["protocol"]
-    spec = v2.spec_obj
+    spec = v2.spec
     assert (v2.version, spec.baseline, spec.repetitions) == (2, "paired", 3)
     assert all(t.selection == "stratified" and t.prompts == 8 for t in spec.tasks)
     # every named category is measured
@@ -76,7 +76,7 @@ def test_demo_protocol_v2_is_paired_stratified_with_repetitions_and_keeps_v1(dem
     # an existing v1 stays as it was
     v1, _ = setup.ensure_protocol(
         setup.demo_protocol_spec_v1(rows["target"], rows["prompt_sets"]), rows["target"])
-    assert (v1.version, v1.spec_obj.baseline, v1.spec_obj.repetitions) == (1, "shared", 1)
+    assert (v1.version, v1.spec.baseline, v1.spec.repetitions) == (1, "shared", 1)
     assert setup.setup_demo(progress=lambda m: None)["protocol"].pk == v2.pk
     assert Protocol.objects.filter(slug=v2.slug).count() == 2
 
@@ -87,9 +87,9 @@ def test_acceptance_protocol_is_the_demo_at_batch_8_largest_k_one_pass(demo_targ
     assert not Protocol.objects.filter(slug="demo-cpu-acceptance").exists()   # make run: none
     call_command("setup_demo", "--acceptance-protocol")
     call_command("setup_demo", "--acceptance-protocol")
-    demo = Protocol.objects.get(slug="demo-cpu").spec_obj
+    demo = Protocol.objects.get(slug="demo-cpu").spec
     check = Protocol.objects.get(slug="demo-cpu-acceptance")
-    spec = check.spec_obj
+    spec = check.spec
     assert (spec.batch_sizes, spec.ks, spec.repetitions, spec.version) == ((8,), (4,), 1, 1)
     # The same prompts, sampling and pairing as the demo protocol: comparable acceptance.
     assert (spec.tasks, spec.temperatures, spec.max_new_tokens, spec.seed, spec.baseline) == (

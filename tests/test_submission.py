@@ -348,7 +348,7 @@ def test_a_real_two_layer_draft_model_of_the_demo_target_is_accepted_and_queued(
     assert stored.sha256 == hashlib.sha256(weights).hexdigest()
     run = Run.objects.get(drafter=drafter)
     assert run.state == Run.QUEUED and run.cells_total == len(
-        protocol.spec_obj.cells(with_drafter=True))
+        protocol.spec.cells(with_drafter=True))
     assert len(callbacks) == 2  # the baseline's run and the drafter's
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 # How a prompt with several user turns is sent. Only the first turn is sent, through the
@@ -143,10 +144,16 @@ class ProtocolSpec:
         d.setdefault("baseline", "shared")   # every v1 protocol
         if d["baseline"] == "shared":
             d.pop("max_drift", None)
-        for key in ("temperatures", "batch_sizes", "ks"):
+        for key in ("batch_sizes", "ks"):
             if key in d:
                 d[key] = tuple(d[key])
+        if "temperatures" in d:   # floats, as to_dict writes them: 0 and 0.0 are one cell
+            d["temperatures"] = tuple(float(t) for t in d["temperatures"])
         return cls(**d)
+
+    @property
+    def task_names(self) -> tuple[str, ...]:
+        return tuple(t.task for t in self.tasks)
 
     def canonical_json(self) -> str:
         return canonical_json(self.to_dict())
@@ -189,9 +196,26 @@ class Cell:
     temperature: float
     k: int
 
+    @classmethod
+    def of(cls, row, k: int | None = None) -> Cell:
+        """The cell of a row that names one: a Cell, a mapping (a cell dict, a record, a
+        values() row) or an object with the four attributes (a Result). `k` overrides the
+        row's (0: the baseline cell at the same place)."""
+        if isinstance(row, Cell) and k is None:
+            return row
+        get = row.__getitem__ if isinstance(row, Mapping) else (lambda name: getattr(row, name))
+        return cls(get("task"), get("batch_size"), float(get("temperature")),
+                   get("k") if k is None else k)
+
     @property
     def key(self):
+        """(task, batch size, temperature, k): how a cell is named in sets and dicts."""
         return (self.task, self.batch_size, float(self.temperature), self.k)
+
+
+def cell_key(row) -> tuple:
+    """`Cell.key` of a row that names a cell (see `Cell.of`)."""
+    return Cell.of(row).key
 
 
 def canonical_json(data) -> str:

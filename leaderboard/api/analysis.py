@@ -249,7 +249,7 @@ class RecommendQuery(Schema):
 
 
 def _temperature(protocol, temperature):
-    temps = [float(t) for t in protocol.spec["temperatures"]]
+    temps = list(protocol.spec.temperatures)
     if temperature is not None and float(temperature) not in temps:
         raise ApiError(422, problem("(query)", "temperature", "the protocol measures "
                                     "temperatures " + ", ".join(f"{t:g}" for t in temps)))
@@ -272,7 +272,7 @@ def protocol_analysis(request, slug: str = PROTOCOL_SLUG, version: int = PROTOCO
                                              "measuring), as the page shows; default: "
                                              "succeeded runs only")):
     """The figures of the protocol's "When does it pay?" page (definitions in
-    `definitions` and in worker/analysis.py)."""
+    `definitions` and in worker/analysis/__init__.py)."""
     protocol = protocol_or_404(slug, version)
     return pays.protocol_pays(protocol, _temperature(protocol, temperature),
                               include_running=include_running)
@@ -287,7 +287,7 @@ def recommend(request, q: Query[RecommendQuery]):
     protocol = protocols.get_protocol(q.protocol)
     if protocol is None:
         raise not_found("protocol", f"no protocol {q.protocol!r}: see /api/protocols")
-    tasks = [t["task"] for t in protocol.spec["tasks"]]
+    tasks = list(protocol.spec.task_names)
     try:
         mix = pays.parse_mix(q.mix, tasks)
     except ValueError as e:

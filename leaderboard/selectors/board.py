@@ -4,13 +4,17 @@ aggregated, and the baseline cells its speedups divide by."""
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import NamedTuple
 
 from django.db.models import Count, Max, Min, Q, Sum
 
+from worker.analysis import speedups
+
 from ..models import Protocol, Result, Run
-from . import run_figures, speedups
+from . import run_figures
+from .pinned import baseline_runs_of, pinned_for
 from .shapes import (ALL, HIDDEN_REVIEW_STATES, METHOD_LABELS, fast_url, figures_from_sums,
-                     protocol_summary, sum_annotations, unprefix)
+                     filtered, protocol_summary, sum_annotations, unprefix)
 
 
 SORT_KEYS = ("name", "method", "k", "batch_size", "temperature", "acceptance_length",
@@ -25,8 +29,6 @@ GROUP_EXTRA = ("speedup", "speedup_low", "speedup_high", "output_throughput_low"
                "tokens_per_step", "engine_acceptance_length", "baseline_runs", "paired")
 DRAFTER_FIELDS = ("slug", "name", "method", "owner_id", "owner__username", "review_state",
                   "claimed_acceptance_length", "claimed_speedup", "claimed_source")
-# The leaderboard's default batch size: the smallest one that has rows (see leaderboard()).
-SMALLEST_MEASURED = "smallest measured"
 
 
 def _summary_from_values(v: dict) -> dict:
@@ -105,7 +107,20 @@ def _run_values(v: dict, drafter: dict | None) -> dict:
     return run
 
 
-def leaderboard_signature(protocol: Protocol) -> tuple:
+class Landing(NamedTuple):
+    """What changes while cells land: the protocol's visible running runs (baselines
+    included), the cells they have measured, their attempts."""
+    running_runs: int
+    cells_done: int | None
+    attempts: int | None
+
+
+class Signature(NamedTuple):
+    settled: tuple
+    landing: Landing
+
+
+def leaderboard_signature(protocol: Protocol) -> Signature:
     """(settled, landing) for caching (views.cached_fragment): settled changes whenever the
     runs a leaderboard shows change (a run succeeds, a drafter is withdrawn or approved),
     landing whenever a cell lands in a running run (pages show running runs' cells as they
@@ -119,9 +134,30 @@ def leaderboard_signature(protocol: Protocol) -> tuple:
                       running=Count("id", filter=running),
                       cells=Sum("cells_done", filter=running),
                       attempts=Sum("attempts", filter=running)))
-    return ((protocol.pk, protocol.sha256, agg["n"], agg["last"],
-             agg["finished"].isoformat() if agg["finished"] else None),
-            (agg["running"], agg["cells"], agg["attempts"]))
+    return Signature((protocol.pk, protocol.sha256, agg["n"], agg["last"],
+                      agg["finished"].isoformat() if agg["finished"] else None),
+                     Landing(agg["running"], agg["cells"], agg["attempts"]))
+
+
+def smallest_measured_batch_size(protocol: Protocol, landing: Landing, *,
+                                 task: str | None = None, temperature: float | None = None,
+                                 k: int | None = None, method: str | None = None) -> int:
+    """The leaderboard's default batch size: the smallest with drafter cells (k > 0, under
+    these filters; None: every value) in the runs `leaderboard` shows. That is the
+    protocol's smallest while no shown run is still measuring (a succeeded run has every
+    cell); a run still measuring may have cells at a larger batch size only (it measures its
+    first comparison at the largest one: worker.measure.first_comparison). `landing` is
+    `leaderboard_signature`'s (the page reads it for its cache anyway): while no running run
+    has measured a cell, no query; two otherwise."""
+    smallest = min(protocol.spec.batch_sizes)
+    if not landing.cells_done:
+        return smallest
+    drafter_runs, _ = shown_runs(protocol, method)
+    if not any(r["measuring"] for r in drafter_runs):
+        return smallest
+    measured = filtered(Result.objects.filter(run_id__in=[r["id"] for r in drafter_runs],
+                                              k__gt=0), task=task, temperature=temperature, k=k)
+    return measured.aggregate(b=Min("batch_size"))["b"] or smallest
 
 
 def leaderboard(protocol: Protocol, *, task: str | None = None, batch_size: int | None = None,
@@ -131,11 +167,10 @@ def leaderboard(protocol: Protocol, *, task: str | None = None, batch_size: int 
     """The leaderboard of one protocol: one row per (drafter, batch size, temperature, k)
     from each drafter's shown run (`shown_runs`: its newest succeeded run, else its run
     still measuring), figures over one task or all tasks (None), and the baseline rows.
-    None for a filter means every value; batch_size SMALLEST_MEASURED: the smallest batch
-    size with drafter cells (the smallest of the protocol while no run is measuring; one
-    more query otherwise). Rows of a run still measuring are marked "measuring", sorted
-    among the others by their figure and never ranked: ranks and ties are those of the
-    finished rows alone. Two or three queries.
+    None for a filter means every value (the page's default batch size is
+    `smallest_measured_batch_size`). Rows of a run still measuring are marked "measuring",
+    sorted among the others by their figure and never ranked: ranks and ties are those of
+    the finished rows alone. Two or three queries.
 
     Returns {"protocol", "filters", "choices", "rows", "baseline_rows", "runs_info",
     "drafters"}; a row: {"drafter" (drafter summary), "run_id", "task", "batch_size",
@@ -148,29 +183,8 @@ def leaderboard(protocol: Protocol, *, task: str | None = None, batch_size: int 
     run_by_id = {r["id"]: r for r in drafter_runs}
     run_by_id.update({r["id"]: r for r in baselines.values()})
 
-    def narrowed(qs, by_batch_size=True):
-        if task:
-            qs = qs.filter(task=task)
-        if by_batch_size and batch_size is not None:
-            qs = qs.filter(batch_size=batch_size)
-        if temperature is not None:
-            qs = qs.filter(temperature=temperature)
-        return qs
-
-    drafter_ids = [r["id"] for r in drafter_runs]
-    if batch_size == SMALLEST_MEASURED:
-        batch_size = min(spec["batch_sizes"])
-        if any(r["measuring"] for r in drafter_runs):
-            # a run still measuring may have cells at a larger batch size only (it measures
-            # its first comparison at the largest one: worker.measure)
-            measured = narrowed(Result.objects.filter(run_id__in=drafter_ids, k__gt=0),
-                                by_batch_size=False)
-            measured = measured.filter(k=k) if k is not None else measured
-            batch_size = measured.aggregate(b=Min("batch_size"))["b"] or batch_size
-
-
     # Drafter rows: the groups of each drafter run's cells (k > 0), each divided by the
-    # baseline cells stored with them (selectors.speedups), computed per run and kept
+    # baseline cells stored with them (selectors.pinned, worker.analysis.speedups), computed per run and kept
     # while the run does not change (selectors.run_figures).
     states = None
     if run_figures.cache_enabled():  # the runs' states from the runs read above
@@ -207,7 +221,8 @@ def leaderboard(protocol: Protocol, *, task: str | None = None, batch_size: int 
     baseline_rows = []
     newest_base = max(baselines.values(), key=lambda r: (r["queued_at"], r["id"]), default=None)
     if newest_base is not None:
-        groups = (narrowed(Result.objects.filter(run_id=newest_base["id"]))
+        groups = (filtered(Result.objects.filter(run_id=newest_base["id"]), task=task,
+                           batch_size=batch_size, temperature=temperature)
                   .values("run_id", "batch_size", "temperature", "k")
                   .annotate(**sum_annotations()).order_by("batch_size", "temperature"))
         for g in map(unprefix, groups):
@@ -237,10 +252,9 @@ def leaderboard(protocol: Protocol, *, task: str | None = None, batch_size: int 
         "protocol": protocol_summary(protocol),
         "filters": {"task": task or ALL, "batch_size": batch_size, "temperature": temperature,
                     "k": k, "method": method, "sort": sort, "descending": descending},
-        "choices": {"tasks": [t["task"] for t in spec["tasks"]],
-                    "batch_sizes": list(spec["batch_sizes"]),
-                    "temperatures": [float(t) for t in spec["temperatures"]],
-                    "ks": list(spec["ks"]), "methods": methods},
+        "choices": {"tasks": list(spec.task_names), "batch_sizes": list(spec.batch_sizes),
+                    "temperatures": list(spec.temperatures), "ks": list(spec.ks),
+                    "methods": methods},
         "rows": rows, "baseline_rows": baseline_rows,
         "runs_info": [{"engine_version": e, "hardware_description": h, "hardware": hw}
                       for e, h, hw in runs_info],
@@ -271,12 +285,12 @@ def compare(protocol: Protocol, slugs: list[str]) -> dict:
     for res in (Result.objects.filter(run_id__in=ids, k__gt=0)
                 .order_by("task", "batch_size", "temperature", "k")):
         by_run[res.run_id].append(res.as_cell_dict())
-    pinned = speedups.pinned_for([c for cells in by_run.values() for c in cells])
+    pinned_of = pinned_for([c for cells in by_run.values() for c in cells])
     entries = []
     for r in chosen:
-        mine = pinned.get(r["id"], {})
+        mine = pinned_of.get(r["id"], {})
         entries.append({"drafter": r["drafter"], "run": r, "cells": by_run[r["id"]],
                         "baseline_cells": sorted(mine.values(), key=speedups.cell_key),
-                        "baseline_run_ids": speedups.baseline_runs_of(mine)})
+                        "baseline_run_ids": baseline_runs_of(mine)})
     return {"protocol": protocol_summary(protocol), "entries": entries,
             "missing": [s for s in slugs if s not in latest]}

@@ -2,12 +2,11 @@
 cells they divide by) and the API's drafter list."""
 from __future__ import annotations
 
-from collections import Counter
-
 from django.db.models import Count, Max, Sum
 
 from ..models import Drafter, Result, Run
-from . import speedups
+from worker.analysis import speedups
+from .pinned import baseline_runs_of, pinned_for
 from .board import pick_shown
 from .shapes import (HIDDEN_REVIEW_STATES, drafter_summary, filtered, protocol_summary,
                      run_summary, training_summary)
@@ -120,8 +119,8 @@ def drafter_results(overview: dict) -> dict:
                 "baseline_paired": False}
     cells = run_cells(run.pk)
     drafter_cells = [c for c in cells if c["k"] > 0]
-    pinned = speedups.pinned_for(drafter_cells).get(run.pk, {})
-    base_ids = speedups.baseline_runs_of(pinned)
+    pinned = pinned_for(drafter_cells).get(run.pk, {})
+    base_ids = baseline_runs_of(pinned)
     baseline_run = (Run.objects.select_related("protocol").filter(pk=base_ids[-1]).first()
                     if base_ids else None)
     if not pinned:  # nothing divided yet: the run's own k = 0 cells (paired) are shown

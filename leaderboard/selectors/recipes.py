@@ -18,7 +18,8 @@ from django.db.models import Exists, OuterRef
 from worker.training.recipes import DEMO_STEPS, RECIPES
 
 from ..models import Drafter, Protocol, Result
-from . import speedups
+from worker.analysis import speedups
+from .pinned import pinned_for
 from .board import shown_runs
 from .protocols import get_protocol
 from .shapes import (ALL, HIDDEN_REVIEW_STATES, METHOD_LABELS, aggregate_cells, drafter_summary,
@@ -92,11 +93,11 @@ def recipe_page(protocol: Protocol | None, temperature: float | None = None) -> 
                 "entries": [], "unmeasured": [], "tasks": [], "k": None, "temperature": None,
                 "batch_sizes": ()}
     spec = protocol.spec
-    k = max(spec["ks"])
-    temps = [float(t) for t in spec["temperatures"]]
+    k = max(spec.ks)
+    temps = list(spec.temperatures)
     temperature = temperature if temperature in temps else temps[0]
-    small, large = min(spec["batch_sizes"]), max(spec["batch_sizes"])
-    tasks = [t["task"] for t in spec["tasks"]]
+    small, large = min(spec.batch_sizes), max(spec.batch_sizes)
+    tasks = list(spec.task_names)
 
     trained = list(Drafter.objects.select_related("owner", "target", "training_data")
                    .filter(target=protocol.target, trained_by_recipe__gt="")
@@ -108,7 +109,7 @@ def recipe_page(protocol: Protocol | None, temperature: float | None = None) -> 
     for r in Result.objects.filter(run_id__in=[r["id"] for r in drafter_runs], k=k,
                                    temperature=temperature):
         cells_by_run[r.run_id].append(r.as_cell_dict())
-    pinned_all = speedups.pinned_for([c for cs in cells_by_run.values() for c in cs])
+    pinned_all = pinned_for([c for cs in cells_by_run.values() for c in cs])
 
     entries, unmeasured = [], []
     for d in trained:

@@ -28,7 +28,8 @@ from django.core.cache import cache
 from django.db.models import Count, Max
 
 from ..models import Result, Run
-from . import speedups
+from worker.analysis import speedups
+from .pinned import baseline_runs_of, pinned_for
 from .shapes import aggregate_cells, fast_url
 
 # Bump when a group's shape or a figure's computation changes: old pieces are then ignored.
@@ -54,13 +55,13 @@ def compute_groups(run_ids, *, task=None, batch_size=None, temperature=None) -> 
     by_group = defaultdict(list)
     for r in qs.order_by("task"):
         by_group[(r.run_id, r.batch_size, float(r.temperature), r.k)].append(r.as_cell_dict())
-    pinned = speedups.pinned_for([c for cells in by_group.values() for c in cells])
+    pinned = pinned_for([c for cells in by_group.values() for c in cells])
     out = defaultdict(list)
     for (run_id, b, t, k), cells in by_group.items():
         g = aggregate_cells(cells, ("batch_size", "temperature", "k"))[(b, t, k)]
         mine = pinned.get(run_id, {})
         figs = speedups.pooled(cells, mine)
-        base_runs = speedups.baseline_runs_of({speedups.cell_key(c): mine[speedups.cell_key(c)]
+        base_runs = baseline_runs_of({speedups.cell_key(c): mine[speedups.cell_key(c)]
                                                for c in cells if speedups.cell_key(c) in mine})
         out[run_id].append({
             "batch_size": b, "temperature": t, "k": k, "cells": g["cells"],

@@ -5,6 +5,8 @@ from collections import Counter
 
 from django.db.models import F
 
+from worker.protocol import cell_key
+
 from ..models import Result, Run
 from .shapes import filtered, protocol_ref_lookups, run_progress_summary, run_summary
 
@@ -64,13 +66,13 @@ def active_runs(*, protocol=None, drafter=None, run_ids=None, limit: int = 10) -
     runs = sorted(qs.order_by("queued_at", "pk")[:500],
                   key=lambda r: (r.state != Run.RUNNING, positions.get(r.pk, 0)))[:limit]
     done = {}
-    for run_id, *key in (Result.objects.filter(run_id__in=[r.pk for r in runs])
-                         .values_list("run_id", "task", "batch_size", "temperature", "k")):
-        done.setdefault(run_id, set()).add((key[0], key[1], float(key[2]), key[3]))
+    for row in (Result.objects.filter(run_id__in=[r.pk for r in runs])
+                .values("run_id", "task", "batch_size", "temperature", "k")):
+        done.setdefault(row["run_id"], set()).add(cell_key(row))
     out = []
     for r in runs:
         method = r.drafter.method if r.drafter_id else "baseline"
-        groups = measurement_groups_for(r.protocol.spec_obj, method,
+        groups = measurement_groups_for(r.protocol.spec, method,
                                         frozenset(done.get(r.pk, ())))
         nxt = None
         if groups:
@@ -134,7 +136,7 @@ def run_page(run_id: int) -> dict | None:
         return None
     position = queue_positions([run.pk]).get(run.pk) if run.state == Run.QUEUED else None
     cells = run_cells(run.pk)
-    spec = run.protocol.spec_obj
+    spec = run.protocol.spec
     return {"run": {**run_summary(run, position), "drift": run.drift,
                     "drift_flagged": run.drift_flagged, "max_drift": spec.max_drift,
                     "baseline_mode": spec.baseline, "repetitions": spec.repetitions},

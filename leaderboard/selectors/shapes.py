@@ -54,8 +54,8 @@ def protocol_summary(p: Protocol) -> dict:
         "ref": protocol_ref(p), "title": p.title, "engine": p.engine, "hardware": p.hardware,
         "sha256": p.sha256, "created_at": p.created_at,
         "target": {"slug": p.target.slug, "name": p.target.name},
-        "tasks": [t["task"] for t in spec["tasks"]], "batch_sizes": list(spec["batch_sizes"]),
-        "temperatures": [float(t) for t in spec["temperatures"]], "ks": list(spec["ks"]),
+        "tasks": list(spec.task_names), "batch_sizes": list(spec.batch_sizes),
+        "temperatures": list(spec.temperatures), "ks": list(spec.ks),
         "url": reverse("protocol", args=[p.slug, p.version]),
     }
 

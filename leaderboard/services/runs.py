@@ -29,13 +29,13 @@ from django.utils import timezone
 from worker import analysis, metrics
 from worker.measure import DrafterSpec, MeasureJob, PromptItem
 from worker.methods import check_supported
-from worker.protocol import Cell
+from worker.protocol import Cell, cell_key
 from worker.runner import ChildFailed, log_tail, run_job_in_child
 
 from .. import records
 from ..celery import MEASURE_RUN, app
 from ..models import Drafter, Prompt, Protocol, Result, Run
-from .baselines import PAIRED, baseline_cell_for, baseline_mode, shared_baseline_exists
+from .baselines import PAIRED, baseline_cell_for, shared_baseline_exists
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def enqueue(run: Run, countdown: float | None = None):
 def cells_for(protocol: Protocol, drafter: Drafter | None):
     """The cells a run measures (ProtocolSpec.run_cells): under a paired protocol a drafter
     run measures its k = 0 cells too."""
-    return protocol.spec_obj.run_cells(drafter.method if drafter is not None else "baseline")
+    return protocol.spec.run_cells(drafter.method if drafter is not None else "baseline")
 
 
 def needs_shared_baseline(protocol: Protocol, drafter: Drafter | None,
@@ -64,7 +64,7 @@ def needs_shared_baseline(protocol: Protocol, drafter: Drafter | None,
     """A drafter run under a shared protocol needs a baseline run (succeeded, queued or
     running) of its hardware class (and engine version, once it is known); a paired one
     measures its own."""
-    return (drafter is not None and baseline_mode(protocol) != PAIRED
+    return (drafter is not None and protocol.spec.baseline != PAIRED
             and not shared_baseline_exists(protocol, engine_version))
 
 
@@ -135,7 +135,7 @@ def stale_runs(queues):
 
 def prompts_for(protocol: Protocol):
     out = {}
-    for task in protocol.spec_obj.tasks:
+    for task in protocol.spec.tasks:
         qs = Prompt.objects.filter(prompt_set__slug=task.prompt_set)
         first = qs.select_related("prompt_set").first()
         if first is None:
@@ -178,13 +178,13 @@ def build_job(run: Run):
         path = drafter_folder(drafter) if drafter.files.exists() else None
         spec = DrafterSpec(method=drafter.method, path=path, params=dict(drafter.params))
     done = frozenset(
-        (r.task, r.batch_size, float(r.temperature), r.k)
-        for r in Result.objects.filter(run=run).only("task", "batch_size", "temperature", "k"))
+        cell_key(r)
+        for r in Result.objects.filter(run=run).values("task", "batch_size", "temperature", "k"))
     target = protocol.target
     if not target.path or not Path(target.path).is_dir():
         raise RunError(f"target {target.slug}: checkpoint folder {target.path!r} is missing on "
                        f"this worker ({worker_host()}); run `manage.py setup_demo` here")
-    return MeasureJob(spec=protocol.spec_obj, target_path=target.path, drafter=spec,
+    return MeasureJob(spec=protocol.spec, target_path=target.path, drafter=spec,
                       prompts=prompts_for(protocol), skip=done)
 
 
@@ -207,8 +207,7 @@ def divide_by_baseline(result: Result, outputs: dict | None = None, run_records=
     if baseline_records is None or baseline_records.run_id != base.run_id:
         baseline_records = (run_records if base.run_id == run.pk
                             else records.RunRecords(base.run_id))
-    cell = Cell(result.task, result.batch_size, result.temperature, result.k)
-    base_cell = Cell(base.task, base.batch_size, base.temperature, 0)
+    cell, base_cell = Cell.of(result), Cell.of(base, k=0)
     result.baseline_result = base
     result.speedup, result.speedup_low, result.speedup_high = speedup_with_interval(
         result, base, run_records.cell(cell), baseline_records.cell(base_cell))
@@ -308,7 +307,7 @@ def finish(run: Run, state: str, error: str = "", tail: str = ""):
     if not run.is_baseline:
         fields["drift"] = run_drift(run)
         fields["drift_flagged"] = (fields["drift"] is not None
-                                   and fields["drift"] > run.protocol.spec_obj.max_drift)
+                                   and fields["drift"] > run.protocol.spec.max_drift)
     # One transaction: whoever sees the run succeeded sees its analysis (or the speedups it
     # filled in) too, never the state first and the figures a moment later.
     with transaction.atomic():

@@ -63,15 +63,15 @@ def ensure_protocol(spec: ProtocolSpec, target: Target, title="") -> tuple[Proto
     different spec it is updated while it has no results; otherwise a new version is made."""
     existing = Protocol.objects.filter(slug=spec.slug, version=spec.version).first()
     if existing is None:
-        return Protocol.objects.create(title=title, target=target, spec=spec.to_dict()), True
+        return Protocol.objects.create(title=title, target=target, spec=spec), True
     if existing.sha256 == spec.sha256():
         return existing, False
     if existing.has_results():
         latest = Protocol.objects.filter(slug=spec.slug).order_by("-version").first()
-        if latest.spec == ProtocolSpec.from_dict({**spec.to_dict(), "version": latest.version}).to_dict():
+        if latest.sha256 == replace(spec, version=latest.version).sha256():
             return latest, False
         return existing.new_version(**{k: v for k, v in spec.to_dict().items() if k != "version"}), True
-    existing.spec, existing.target, existing.title = spec.to_dict(), target, title
+    existing.spec, existing.target, existing.title = spec, target, title
     existing.save()
     return existing, True
 
@@ -139,7 +139,7 @@ def acceptance_protocol_spec(demo: ProtocolSpec) -> ProtocolSpec:
 
 def ensure_acceptance_protocol(rows) -> Protocol:
     """The learning-curve protocol next to the demo one (``setup_demo --acceptance-protocol``)."""
-    protocol, _ = ensure_protocol(acceptance_protocol_spec(rows["protocol"].spec_obj),
+    protocol, _ = ensure_protocol(acceptance_protocol_spec(rows["protocol"].spec),
                                   rows["target"],
                                   title="Acceptance check for learning curves (CPU, batch 8, k 4)")
     return protocol
@@ -189,7 +189,7 @@ def queue_demo_runs(rows):
     """Queue every demo drafter that has no run under the demo protocol, and the baseline
     under a shared protocol (a paired protocol's drafter runs measure their own)."""
     protocol, queued = rows["protocol"], []
-    if (protocol.spec_obj.baseline != "paired"
+    if (protocol.spec.baseline != "paired"
             and not protocol.runs.filter(drafter__isnull=True).exists()):
         queued.append(queue_run(protocol, None))
     queued += [run for run in (queue_if_no_run(protocol, d) for d in rows["drafters"]) if run]

@@ -72,7 +72,7 @@ def check_params(method: str, params: dict, protocol: Protocol) -> dict:
     method may name one speculation budget k from the protocol's ks. Returns the parameters
     to store: k is checked but not stored, since the protocol measures every k and the
     engines (worker.methods.ALLOWED_PARAMS) take no k parameter."""
-    ks = list(protocol.spec["ks"])
+    ks = list(protocol.spec.ks)
     params = {key: v for key, v in (params or {}).items() if v is not None}
     if method == "ngram":
         try:

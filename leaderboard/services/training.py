@@ -89,8 +89,8 @@ def evaluation_prompt_hashes() -> dict:
 
     used_by = {}
     for p in Protocol.objects.all():
-        for task in p.spec.get("tasks", []):
-            used_by.setdefault(task["prompt_set"], []).append(f"{p.slug} v{p.version}")
+        for task in p.spec.tasks:
+            used_by.setdefault(task.prompt_set, []).append(f"{p.slug} v{p.version}")
     out = {}
     for prompt in Prompt.objects.select_related("prompt_set").iterator():
         slug = prompt.prompt_set.slug
@@ -353,7 +353,7 @@ def medusa_heads_for(protocol: Protocol, options: dict | None) -> dict:
     """Medusa heads propose one token each, so the protocol's largest k needs as many heads:
     the default is that many (3 at least); fewer is refused before any training."""
     options = dict(options or {})
-    max_k = max(protocol.spec["ks"])
+    max_k = max(protocol.spec.ks)
     heads = options.get("heads")
     if heads is None:
         options["heads"] = max(3, max_k)

@@ -1,57 +1,37 @@
-"""Speedups as every page reads them: the stored figure of a cell, divided by the baseline
-cell stored with it (``Result.baseline_result``, chosen once by
-leaderboard/services/baselines.py), and figures over several cells pooled over those same
-pinned baseline cells. No read picks a baseline run of its own.
+"""The one speedup rule, used by every page, the API, the export and "When does it pay?".
 
-Intervals over several cells (a leaderboard row over all tasks): each cell's 95% interval
-is turned into relative half-widths below and above its estimate; the pooled figure's are
-the cells' combined in quadrature, each weighted by the cell's share of the group's wall
-time (a pooled throughput is the wall-time-weighted mean of the cells' throughputs, and the
-cells of different tasks are measured on different prompts, so their errors are
-independent). One cell: its own stored interval."""
+A drafter cell's speedup is its stored figure: its throughput over the throughput of the
+baseline cell stored with it (its *pinned* baseline: the site picks it once, when the cell
+is recorded; under a paired protocol the run's own k = 0 cell). Over several cells of one
+drafter and k (a leaderboard row over tasks, a batch size over tasks) the speedup is the
+summed throughput of the cells over the summed throughput of their pinned baseline cells;
+where any cell lacks its pinned baseline there is no speedup, rather than one over a
+different set of tasks. Callers pass the pinned baseline cells as {cell_key: cell}; no
+caller matches a baseline of its own.
+
+Intervals over several cells: each cell's 95% interval is turned into relative half-widths
+below and above its estimate; the pooled figure's are the cells' combined in quadrature,
+each weighted by the cell's share of the group's wall time (a pooled throughput is the
+wall-time-weighted mean of the cells' throughputs, and the cells of different tasks are
+measured on different prompts, so their errors are independent). One cell: its own stored
+interval."""
 from __future__ import annotations
 
 import math
 from collections import defaultdict
 
 from worker import metrics
-
-from ..models import Result
-
-
-def cell_key(c: dict) -> tuple:
-    return (c["task"], c["batch_size"], float(c["temperature"]))
+from worker.protocol import Cell
 
 
-def pinned_for(cells: list[dict]) -> dict[int, dict[tuple, dict]]:
-    """The same as `pinned_baselines` for the cell dicts at hand (their baseline_result_id).
-    One query."""
-    return _pinned({(c["run_id"], c["baseline_result_id"]) for c in cells
-                    if c["k"] > 0 and c.get("baseline_result_id")})
+def cell_key(c) -> tuple:
+    """(task, batch size, temperature): the key a drafter cell and its baseline cell share."""
+    return Cell.of(c, k=0).key[:3]
 
 
-def pinned_baselines(run_ids) -> dict[int, dict[tuple, dict]]:
-    """{drafter run id: {(task, batch size, temperature): the baseline cell dict its cells
-    divide by}}. Two queries."""
-    return _pinned(Result.objects.filter(run_id__in=list(run_ids), k__gt=0,
-                                         baseline_result__isnull=False)
-                   .values_list("run_id", "baseline_result_id").distinct())
-
-
-def _pinned(links) -> dict[int, dict[tuple, dict]]:
-    by_run = defaultdict(set)
-    for run_id, base_id in links:
-        by_run[run_id].add(base_id)
-    ids = {i for s in by_run.values() for i in s}
-    cells = {r.pk: {**r.as_cell_dict(), "id": r.pk}
-             for r in Result.objects.filter(pk__in=ids)} if ids else {}
-    return {run_id: {cell_key(cells[i]): cells[i] for i in sorted(s) if i in cells}
-            for run_id, s in by_run.items()}
-
-
-def baseline_runs_of(pinned: dict[tuple, dict]) -> list[int]:
-    """The baseline run ids a drafter run's pinned cells belong to."""
-    return sorted({c["run_id"] for c in pinned.values()})
+def by_key(baseline_cells) -> dict[tuple, dict]:
+    """{cell_key: cell} of a list of pinned baseline cells."""
+    return {cell_key(c): c for c in baseline_cells}
 
 
 def combined_interval(point, parts):
