@@ -801,6 +801,10 @@ def test_unknown_method_is_refused(work):
 def test_ngram_params():
     assert validate_ngram_params({"prompt_lookup_min": 2, "prompt_lookup_max": 4}, [2, 4]) == \
         {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    # a missing bound is filled as vLLM fills it, and stored explicitly
+    assert validate_ngram_params({"prompt_lookup_max": 4}, [2, 4]) == \
+        {"prompt_lookup_min": 4, "prompt_lookup_max": 4}
+    assert validate_ngram_params({}, [2, 4]) == {"prompt_lookup_min": 5, "prompt_lookup_max": 5}
     assert validate_ngram_params({"prompt_lookup_min": 1, "prompt_lookup_max": 16, "k": 4},
                                  [2, 4])["k"] == 4
     bad = [
@@ -809,7 +813,6 @@ def test_ngram_params():
         ({"prompt_lookup_min": 5, "prompt_lookup_max": 4}, "prompt_lookup_min"),
         ({"prompt_lookup_min": 2.0, "prompt_lookup_max": 4}, "prompt_lookup_min"),
         ({"prompt_lookup_min": True, "prompt_lookup_max": 4}, "prompt_lookup_min"),
-        ({"prompt_lookup_max": 4}, "prompt_lookup_min"),
         ({"prompt_lookup_min": 2, "prompt_lookup_max": 4, "k": 3}, "k"),
         ({"prompt_lookup_min": 2, "prompt_lookup_max": 4, "n": 3}, "n"),
     ]
@@ -817,6 +820,30 @@ def test_ngram_params():
         with pytest.raises(CheckpointRejected) as info:
             validate_ngram_params(params, [2, 4])
         find(info.value.problems, field=field)
+
+
+def test_the_upload_check_and_the_engine_config_apply_one_ngram_rule():
+    """Whatever the upload check accepts, the engine configures with the same bounds; what it
+    refuses, the engine refuses too (worker.methods.ngram.lookup_bounds is the one rule)."""
+    from worker.measure import DrafterSpec
+    from worker.methods import speculative_config
+
+    cases = [{}, {"prompt_lookup_min": 3}, {"prompt_lookup_max": 7}, {"prompt_lookup_min": 1,
+             "prompt_lookup_max": 16}, {"prompt_lookup_min": 0, "prompt_lookup_max": 4},
+             {"prompt_lookup_min": 2, "prompt_lookup_max": 17}, {"prompt_lookup_min": 6,
+             "prompt_lookup_max": 4}, {"prompt_lookup_min": True}]
+    for params in cases:
+        try:
+            accepted = validate_ngram_params(params, [2])
+        except CheckpointRejected:
+            accepted = None
+        try:
+            config = speculative_config(DrafterSpec("ngram", None, params), 2)
+        except ValueError:
+            config = None
+        assert (accepted is None) == (config is None), params
+        if config is not None:
+            assert {key: config[key] for key in accepted} == accepted, params
 
 
 # ------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import shutil
 from typing import Iterable, Mapping
 
 from worker import methods
+from worker.methods import ngram
 from worker.checkpoint.archives import DEFAULT_MAX_FILES, Extraction
 from worker.checkpoint.contents import check_contents
 from worker.checkpoint.results import (CheckpointFile, CheckpointRejected, Problem, TargetFacts,
@@ -65,13 +66,14 @@ def validate_checkpoint(uploads: Iterable, method: str, target, *, max_total_byt
         raise
 
 
-NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max", "k")
+NGRAM_KEYS = (*ngram.PARAMS, "k")
 
 
 def validate_ngram_params(params: Mapping, allowed_ks: Iterable[int]) -> dict:
-    """Check n-gram prompt-lookup parameters: ints with 1 <= prompt_lookup_min <=
-    prompt_lookup_max <= 16, and ``k`` (optional; the protocol's budgets apply when it is
-    absent) in ``allowed_ks``. Returns the normalised parameters or raises
+    """Check n-gram prompt-lookup parameters by the method's own rule
+    (worker.methods.ngram.lookup_bounds: integers from 1 to 16, min <= max, a missing bound
+    filled as vLLM fills it), and ``k`` (optional; the protocol's budgets apply when it is
+    absent) in ``allowed_ks``. Returns the normalised parameters (both bounds) or raises
     CheckpointRejected."""
     problems = []
     allowed = sorted(set(allowed_ks))
@@ -85,18 +87,9 @@ def validate_ngram_params(params: Mapping, allowed_ks: Iterable[int]) -> dict:
     for key in params:
         if key not in NGRAM_KEYS:
             bad(key, f"unknown parameter: ngram takes {', '.join(NGRAM_KEYS)}")
-    out = {}
-    for key in ("prompt_lookup_min", "prompt_lookup_max"):
-        v = params.get(key)
-        if v is None:
-            bad(key, "missing: give an integer from 1 to 16")
-        elif not is_int(v) or not 1 <= v <= 16:
-            bad(key, f"must be an integer from 1 to 16, got {v!r}")
-        else:
-            out[key] = v
-    if len(out) == 2 and out["prompt_lookup_min"] > out["prompt_lookup_max"]:
-        bad("prompt_lookup_min", f"{out['prompt_lookup_min']} is larger than "
-            f"prompt_lookup_max {out['prompt_lookup_max']}")
+    out, bound_problems = ngram.lookup_bounds(params)
+    for key, msg in bound_problems:
+        bad(key, msg)
     if "k" in params:
         k = params["k"]
         if not is_int(k) or k not in allowed:
