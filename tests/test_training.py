@@ -539,3 +539,20 @@ def settings_media(name):
     from django.core.files.storage import default_storage
 
     return default_storage.path(name)
+
+
+def test_every_json_lines_reader_names_the_file_and_line_of_a_bad_line(tmp_path):
+    """Prompts files and training datasets go through one reader (data.json_lines): blank
+    lines are skipped, a line that is not JSON is refused with its file and line number."""
+    from worker.training.data import read_dataset, read_prompts_file
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('"first"\n\n{"turns": ["second"]}\n')
+    assert read_prompts_file(prompts) == ["first", "second"]
+    prompts.write_text('"first"\n\n{"turns": ["second"\n')
+    with pytest.raises(TrainingDataError, match=r"prompts\.jsonl, line 3: not JSON"):
+        read_prompts_file(prompts)
+    dataset = tmp_path / "data.jsonl"
+    dataset.write_text(json.dumps({"input_ids": [1, 2, 3], "prompt_len": 1}) + "\n{oops\n")
+    with pytest.raises(TrainingDataError, match=r"data\.jsonl, line 2: not JSON"):
+        read_dataset(dataset)

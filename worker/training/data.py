@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -60,6 +61,19 @@ def check_not_evaluation(texts, forbidden: dict, where: str = "") -> None:
                 "evaluation prompts are never used for training; remove it")
 
 
+def json_lines(lines, where):
+    """(line number, value) of each non-empty line of an open JSON-lines file, parsed only
+    when asked for (a reader that stops early never parses the rest); a line that is not
+    JSON raises TrainingDataError naming `where` and the line."""
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            yield number, json.loads(line)
+        except ValueError as e:
+            raise TrainingDataError(f"{where}, line {number}: not JSON ({e})") from None
+
+
 def read_prompts_file(path) -> list[str]:
     """User prompts from JSON lines: each line a JSON string, or an object with ``prompt``,
     ``text``, ``question`` or ``turns`` (the first turn, as in Spec-Bench files)."""
@@ -68,13 +82,7 @@ def read_prompts_file(path) -> list[str]:
         raise TrainingDataError(f"{path}: no such file")
     out = []
     with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-            except ValueError as e:
-                raise TrainingDataError(f"{path}, line {number}: not JSON ({e})") from None
+        for number, value in json_lines(f, path):
             if isinstance(value, dict):
                 for key in ("prompt", "text", "question"):
                     if isinstance(value.get(key), str):
@@ -247,13 +255,10 @@ class _Progress:
         # last state, stopped in between (done again) or being appended by another
         # generation now (maybe half a line). Only a call that holds the generation lock and
         # will append cuts them from the file; a read never writes.
-        rows, beyond = [], False
-        with open(state.folder / "rounds.jsonl", encoding="utf-8") as f:
-            for line in f:
-                if len(rows) == saved["records"]:
-                    beyond = True
-                    break
-                rows.append(json.loads(line))
+        path = state.folder / "rounds.jsonl"
+        with open(path, encoding="utf-8") as f:
+            rows = [row for _, row in itertools.islice(json_lines(f, path), saved["records"])]
+            beyond = bool(f.readline())
         if beyond and state.n > len(rows):
             write_dataset(rows, state.folder / "rounds.jsonl")
         state.stats.update(saved["stats"], resumed_at=len(rows))
@@ -348,11 +353,10 @@ def read_dataset(path) -> list[dict]:
         raise TrainingDataError(f"{path}: the training data file is missing")
     records = []
     with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+        for number, r in json_lines(f, path):
             try:
-                r = json.loads(line)
                 ids, prompt_len = r["input_ids"], r["prompt_len"]
-            except (ValueError, KeyError, TypeError):
+            except (KeyError, TypeError):
                 raise TrainingDataError(f"{path}, line {number}: not a training record "
                                         "(input_ids and prompt_len)") from None
             if not (isinstance(ids, list) and 0 < prompt_len < len(ids)):
