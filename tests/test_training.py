@@ -544,7 +544,7 @@ def settings_media(name):
 def test_every_json_lines_reader_names_the_file_and_line_of_a_bad_line(tmp_path):
     """Prompts files and training datasets go through one reader (data.json_lines): blank
     lines are skipped, a line that is not JSON is refused with its file and line number."""
-    from worker.training.data import read_dataset, read_prompts_file
+    from worker.training.data import read_prompts_file
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('"first"\n\n{"turns": ["second"]}\n')
@@ -556,3 +556,17 @@ def test_every_json_lines_reader_names_the_file_and_line_of_a_bad_line(tmp_path)
     dataset.write_text(json.dumps({"input_ids": [1, 2, 3], "prompt_len": 1}) + "\n{oops\n")
     with pytest.raises(TrainingDataError, match=r"data\.jsonl, line 2: not JSON"):
         read_dataset(dataset)
+
+
+def test_the_makefiles_recipe_lists_name_the_registrys_recipes():
+    """worker.training.recipes.RECIPES is the one list of recipes (train_drafter's choices,
+    each recipe's default steps and options): the Makefile's lists may not drift from it."""
+    import re
+
+    from worker.training.recipes import RECIPES
+
+    makefile = (Path(__file__).resolve().parent.parent / "Makefile").read_text()
+    curve = re.search(r"^CURVE_RECIPES \?= (.+)$", makefile, re.M).group(1).split()
+    assert sorted(curve) == sorted(RECIPES)
+    demo = re.search(r"^DEMO_DRAFTERS \?= (.+)$", makefile, re.M).group(1).split()
+    assert demo and {entry.split(":")[0] for entry in demo} <= set(RECIPES)

@@ -15,7 +15,7 @@ from collections import defaultdict
 
 from django.db.models import Exists, OuterRef
 
-from worker.training.recipes import DEMO_STEPS, RECIPES
+from worker.training.recipes import RECIPES
 
 from ..models import Drafter, Protocol, Result
 from worker.analysis import speedups
@@ -29,7 +29,7 @@ from .shapes import (ALL, HIDDEN_REVIEW_STATES, METHOD_LABELS, aggregate_cells, 
 def recipe_catalogue() -> list[dict]:
     """Every recipe: name, method, what it trains (its class's summary), default steps."""
     return [{"name": name, "method": cls.method, "method_label": METHOD_LABELS.get(cls.method, cls.method),
-             "summary": cls.summary, "default_steps": DEMO_STEPS.get(name)}
+             "summary": cls.summary, "default_steps": cls.default_steps}
             for name, cls in RECIPES.items()]
 
 

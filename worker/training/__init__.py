@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .loop import ResumeError, TrainReport, TrainSettings, train  # noqa: F401
-from .recipes import DEMO_STEPS, RECIPES, build_recipe, load_target  # noqa: F401
+from .recipes import RECIPES, build_recipe, load_target  # noqa: F401
 
 MAX_THREADS = 2  # the machines this runs on are shared
 
@@ -70,7 +70,7 @@ def train_recipe(recipe_name, target_dir, dataset_file, target_sha256, out_dir, 
         data, held = data.split(heldout)
     recipe.set_vocabulary(data.vocabulary(), data)
     settings = TrainSettings(
-        steps=steps or DEMO_STEPS[recipe_name], seed=seed,
+        steps=steps or RECIPES[recipe_name].default_steps, seed=seed,
         batch_size=batch_size or cls.defaults.get("batch_size", 4),
         lr=lr or cls.defaults.get("lr", 1e-3), checkpoint_every_s=checkpoint_every_s,
         heldout=heldout)

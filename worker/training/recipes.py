@@ -74,6 +74,12 @@ class Recipe:
     summary = ""  # one line: what it trains (the recipe page and docs/recipes.md show it)
     defaults: dict = {}
     feature_layers: tuple[int, ...] = ()  # the target's hidden states it reads (data.py)
+    # Optimizer steps by default, sized for the demo set (128 conversations, 32 batches a
+    # pass; about 20 passes for the heads): with the data, the heads train in about an hour
+    # on 2 busy cores.
+    default_steps = 600
+    # The recipe's own options (its constructor's keywords) that train_drafter may set.
+    options: tuple[str, ...] = ()
 
     def __init__(self, target: Llama, target_hf: dict):
         self.target, self.target_hf = target, target_hf
@@ -105,6 +111,8 @@ class Recipe:
 
 class DraftModelRecipe(Recipe):
     name = method = "draft_model"
+    default_steps = 300
+    options = ("layers",)
     summary = ("a small Llama: the target's embeddings, first layers, final norm and lm_head, "
                "distilled on the target's next-token distributions")
     defaults = {"layers": 4, "lr": 5e-4, "batch_size": 4}
@@ -216,6 +224,7 @@ class EagleRecipe(Recipe):
 class EagleMultistepRecipe(EagleRecipe):
     name = "eagle_multistep"
     method = "eagle"
+    options = ("unroll",)  # and eagle's default steps: only the objective differs
     summary = ("the EAGLE head, data and loss, unrolled on its own predicted features as when "
                "drafting (training-time test): the same parameters for more compute")
     defaults = {"lr": 1e-3, "batch_size": 4, "unroll": 3}
@@ -245,6 +254,7 @@ def _unrolled_mask(width: int, s: int) -> torch.Tensor:
 
 class MedusaRecipe(Recipe):
     name = method = "medusa"
+    options = ("heads",)
     summary = ("Medusa heads, one residual block per drafted token, sharing the target's lm_head: "
                "head i predicts the token i + 2 places ahead from one hidden state")
     defaults = {"lr": 1e-3, "batch_size": 4, "heads": 3, "head_layers": 1}
@@ -298,6 +308,7 @@ class MedusaReducedVocabRecipe(MedusaRecipe):
 
     name = "medusa_reduced_vocab"
     method = "medusa"
+    options = ("heads", "draft_vocab")
     summary = ("the Medusa heads drafting over the data's most frequent answer tokens only "
                "(vLLM's truncated vocabulary): a much cheaper lm_head per drafted token")
     defaults = {**MedusaRecipe.defaults, "draft_vocab": 4096}
@@ -338,6 +349,7 @@ class Eagle3Recipe(Recipe):
     ``eagle_multistep``). Labels are the target's greedy tokens, which the answers are."""
 
     name = method = "eagle3"
+    options = ("unroll", "draft_vocab")
     summary = ("an EAGLE-3 head: three of the target's layers fused, one decoder layer and its "
                "own lm_head over the data's most frequent answer tokens, trained on tokens, "
                "unrolled on its own outputs")
@@ -406,13 +418,6 @@ class Eagle3Recipe(Recipe):
 
 RECIPES = {r.name: r for r in (DraftModelRecipe, EagleRecipe, EagleMultistepRecipe, MedusaRecipe,
                                MedusaReducedVocabRecipe, Eagle3Recipe)}
-
-# Default steps, sized for the demo set (128 conversations, 32 batches a pass; about 20
-# passes for the heads): with the data, all four train in about an hour on 2 busy cores.
-# eagle_multistep takes eagle's steps so that only the objective differs.
-DEMO_STEPS = {"draft_model": 300, "eagle": 600, "eagle_multistep": 600, "medusa": 600,
-              "medusa_reduced_vocab": 600, "eagle3": 600}
-
 
 def build_recipe(name: str, target: Llama, target_hf: dict, **options):
     if name not in RECIPES:

@@ -46,9 +46,7 @@ class Command(BaseCommand):
         recipe = o["recipe"]
         options = {"layers": o["layers"], "unroll": o["unroll"], "heads": o["heads"],
                    "draft_vocab": o["draft_vocab"]}
-        allowed = {"draft_model": {"layers"}, "eagle": set(), "eagle_multistep": {"unroll"},
-                   "medusa": {"heads"}, "medusa_reduced_vocab": {"heads", "draft_vocab"},
-                   "eagle3": {"unroll", "draft_vocab"}}[recipe]
+        allowed = RECIPES[recipe].options
         wrong = [k for k, v in options.items() if v is not None and k not in allowed]
         if wrong:
             raise CommandError(f"--{wrong[0]} does not apply to the {recipe} recipe")
