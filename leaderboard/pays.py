@@ -11,7 +11,7 @@ from collections import defaultdict
 from django.conf import settings
 from django.core.cache import cache
 
-from worker import analysis, metrics
+from worker import analysis, methods, metrics
 
 from . import records
 from .models import Protocol, Result, Run
@@ -211,18 +211,12 @@ def _protocol_pays(protocol, temperature, tasks, batch_sizes, ks, drafter_runs, 
                 pooled = _pooled([a for c, a in pairs if a and c["batch_size"] == b])
                 per_b.append({"batch_size": b, "measured_speedup": measured.get(b), **pooled})
             al = aggregate_cells(kcells, ()).get((), {}).get("acceptance_length")
-            analysed = [a for _, a in pairs if a and a.get("t_overhead") is not None
-                        and a.get("t_fwd_b")]
-            cost = None
-            if analysed:
-                cost_time = sum((a["t_draft"] if a["source"] == "reference traces"
-                                 else a["t_overhead"]) * a["steps"] for a in analysed)
-                fwd_time = sum(a["t_fwd_b"] * a["steps"] for a in analysed)
-                cost = cost_time / fwd_time if fwd_time else None
+            cost = analysis.relative_draft_cost([a for _, a in pairs])
             curves.append({"drafter": d, "k": k, "by_batch": per_b, "measuring": r["measuring"],
                            "crossover": analysis.crossover(measured),
                            "mean_speedup": _mean(measured.values())})
-            points.append({"drafter": d, "k": k, "cost": cost, "al": al})
+            points.append({"drafter": d, "k": k, "cost": cost, "al": al,
+                           "draft_forward": methods.get(d["method"]).draft_cost})
     matrix = analysis.best_matrix(entries, tasks, batch_sizes)
     names = {x["drafter"]["slug"]: x["drafter"] for x in drafters}
     measuring = {x["drafter"]["slug"] for x in drafters if x["measuring"]}

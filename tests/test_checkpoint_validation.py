@@ -24,7 +24,7 @@ from worker.checkpoint import (
     TargetFacts,
     Upload,
     validate_checkpoint,
-    validate_ngram_params,
+    validate_method_params,
 )
 from worker.checkpoint.cli import add_cli_arguments, cli
 from worker.safetensors_header import check_safetensors_header
@@ -799,13 +799,13 @@ def test_unknown_method_is_refused(work):
 
 
 def test_ngram_params():
-    assert validate_ngram_params({"prompt_lookup_min": 2, "prompt_lookup_max": 4}, [2, 4]) == \
+    assert validate_method_params("ngram", {"prompt_lookup_min": 2, "prompt_lookup_max": 4}, [2, 4]) == \
         {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
     # a missing bound is filled as vLLM fills it, and stored explicitly
-    assert validate_ngram_params({"prompt_lookup_max": 4}, [2, 4]) == \
+    assert validate_method_params("ngram", {"prompt_lookup_max": 4}, [2, 4]) == \
         {"prompt_lookup_min": 4, "prompt_lookup_max": 4}
-    assert validate_ngram_params({}, [2, 4]) == {"prompt_lookup_min": 5, "prompt_lookup_max": 5}
-    assert validate_ngram_params({"prompt_lookup_min": 1, "prompt_lookup_max": 16, "k": 4},
+    assert validate_method_params("ngram", {}, [2, 4]) == {"prompt_lookup_min": 5, "prompt_lookup_max": 5}
+    assert validate_method_params("ngram", {"prompt_lookup_min": 1, "prompt_lookup_max": 16, "k": 4},
                                  [2, 4])["k"] == 4
     bad = [
         ({"prompt_lookup_min": 0, "prompt_lookup_max": 4}, "prompt_lookup_min"),
@@ -818,7 +818,7 @@ def test_ngram_params():
     ]
     for params, field in bad:
         with pytest.raises(CheckpointRejected) as info:
-            validate_ngram_params(params, [2, 4])
+            validate_method_params("ngram", params, [2, 4])
         find(info.value.problems, field=field)
 
 
@@ -834,7 +834,7 @@ def test_the_upload_check_and_the_engine_config_apply_one_ngram_rule():
              "prompt_lookup_max": 4}, {"prompt_lookup_min": True}]
     for params in cases:
         try:
-            accepted = validate_ngram_params(params, [2])
+            accepted = validate_method_params("ngram", params, [2])
         except CheckpointRejected:
             accepted = None
         try:

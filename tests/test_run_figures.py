@@ -13,7 +13,6 @@ from leaderboard import views
 from leaderboard.models import Run
 from leaderboard.selectors import board, run_figures
 from leaderboard.services import runs
-from worker.protocol import Cell
 
 from . import factories as f
 

@@ -34,7 +34,7 @@ from ..models import Drafter, Protocol, TrainingDataset
 from ..selectors.shapes import DATA_FIGURES, heldout_of, training_data_figures
 from .errors import ServiceError
 from .submissions import SubmissionRefused, submit_drafter
-from .training import DETAIL_KEYS, drafter_name, medusa_heads_for
+from .training import DETAIL_KEYS, drafter_name, recipe_options_for
 
 TRAINING_FILE = "training.json"
 # Files of a shipped folder that are not part of the checkpoint (nor of its content hash).
@@ -118,11 +118,10 @@ def register_shipped(folder: Path, protocol: Protocol) -> tuple[Drafter, bool]:
             f"{folder.name}: trained for target {record.get('target', '?')} with weights sha256 "
             f"{record['target_sha256'][:12]}..., but {protocol} measures {target.slug} "
             f"({target.weights_sha256[:12]}...); ship a drafter of this target")
-    if record["method"] == "medusa":
-        try:
-            medusa_heads_for(protocol, {"heads": (record.get("options") or {}).get("heads")})
-        except ServiceError as e:
-            raise ShippedRefused(f"{folder.name}: {e}") from None
+    try:
+        recipe_options_for(protocol, record["recipe"], record.get("options"))
+    except ServiceError as e:
+        raise ShippedRefused(f"{folder.name}: {e}") from None
     uploads = _uploads(folder)
     content = content_sha256((u.name, file_sha256(u.source)) for u in uploads)
     existing = (Drafter.objects.filter(target=target, content_sha256=content)

@@ -22,7 +22,7 @@ from django.utils import timezone
 from django.utils.text import slugify
 
 from worker.checkpoint import (CheckpointRejected, Problem, TargetFacts, validate_checkpoint,
-                               validate_ngram_params)
+                               validate_method_params)
 from worker.protocol import canonical_json
 
 from . import runs
@@ -68,28 +68,16 @@ def target_facts(protocol: Protocol) -> TargetFacts:
 
 
 def check_params(method: str, params: dict, protocol: Protocol) -> dict:
-    """Method parameters: ngram's through worker.checkpoint.validate_ngram_params; every
-    method may name one speculation budget k from the protocol's ks. Returns the parameters
-    to store: k is checked but not stored, since the protocol measures every k and the
-    engines (worker.methods.ALLOWED_PARAMS) take no k parameter."""
-    ks = list(protocol.spec.ks)
+    """Method parameters, by the method's own rule (worker.checkpoint.validate_method_params);
+    every method may name one speculation budget k from the protocol's ks. Returns the
+    parameters to store: k is checked but not stored, since the protocol measures every k and
+    the engines (worker.methods.ALLOWED_PARAMS) take no k parameter."""
     params = {key: v for key, v in (params or {}).items() if v is not None}
-    if method == "ngram":
-        try:
-            checked = validate_ngram_params(params, ks)
-        except CheckpointRejected as e:
-            raise SubmissionRefused(e.problems) from None
-        return {key: v for key, v in checked.items() if key != "k"}
-    problems = [Problem("params", key, f"applies to the ngram method only: leave it empty for "
-                        f"{method}") for key in params if key.startswith("prompt_lookup")]
-    problems += [Problem("params", key, "unknown parameter: only k can be set here")
-                 for key in params if key != "k" and not key.startswith("prompt_lookup")]
-    if "k" in params and params["k"] not in ks:
-        problems.append(Problem("params", "k", f"must be one of the protocol's speculation "
-                                f"budgets {ks}, got {params['k']!r}"))
-    if problems:
-        raise SubmissionRefused(problems)
-    return {}
+    try:
+        checked = validate_method_params(method, params, list(protocol.spec.ks))
+    except CheckpointRejected as e:
+        raise SubmissionRefused(e.problems) from None
+    return {key: v for key, v in checked.items() if key != "k"}
 
 
 def params_sha256(method: str, params: dict) -> str:

@@ -328,10 +328,7 @@ def train_and_register(recipe: str, target: Target, dataset: TrainingDataset, pr
                              evaluation_prompt_hashes(), where=f"training data {dataset}: ")
     except ValueError as e:
         raise ServiceError(str(e)) from None
-    from worker.training.recipes import RECIPES
-
-    if RECIPES[recipe].method == "medusa":
-        options = medusa_heads_for(protocol, options)
+    options = recipe_options_for(protocol, recipe, options)
     out_dir = Path(out_dir or settings.DATA_DIR / "training-runs" / f"{dataset.slug}-v{dataset.version}"
                    / (f"{recipe}-seed{seed}" + (f"-heldout{heldout}" if heldout else "")))
     if resume == "if_any":  # continue an interrupted run, start one otherwise
@@ -349,18 +346,16 @@ def train_and_register(recipe: str, target: Target, dataset: TrainingDataset, pr
     return summary, drafter, run
 
 
-def medusa_heads_for(protocol: Protocol, options: dict | None) -> dict:
-    """Medusa heads propose one token each, so the protocol's largest k needs as many heads:
-    the default is that many (3 at least); fewer is refused before any training."""
-    options = dict(options or {})
-    max_k = max(protocol.spec.ks)
-    heads = options.get("heads")
-    if heads is None:
-        options["heads"] = max(3, max_k)
-    elif heads < max_k:
-        raise ServiceError(f"protocol {protocol} measures k up to {max_k}, but {heads} Medusa "
-                           f"heads propose at most {heads} tokens: give --heads {max_k} or more")
-    return options
+def recipe_options_for(protocol: Protocol, recipe: str, options: dict | None) -> dict:
+    """The recipe's options for what the protocol measures (Recipe.options_for); a
+    ServiceError naming the protocol when it cannot measure them (the message reads on
+    from the protocol's name)."""
+    from worker.training.recipes import RECIPES
+
+    try:
+        return RECIPES[recipe].options_for(protocol.spec.ks, options)
+    except ValueError as e:
+        raise ServiceError(f"protocol {protocol} {e}") from None
 
 
 def register_drafter(summary: dict, recipe: str, dataset: TrainingDataset, protocol: Protocol,

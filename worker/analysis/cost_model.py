@@ -193,3 +193,17 @@ def place_on_map(a: dict, model: CostModel | None) -> dict:
             "break_even_acceptance_length": be["acceptance_length"],
             "map_speedup": tau / be["tokens_per_step"], "drafting_share": verify / steps,
             "drafted_per_drafting_step": drafted if drafted is not None else a["k"]}
+
+
+def relative_draft_cost(analysed: list[dict | None]) -> float | None:
+    """Draft cost per step relative to a target forward, over analysed cells (analyse_cell):
+    sum t_draft x steps / sum t_fwd(b) x steps (vLLM: the measured remainder for every
+    method, n-gram included, since the acceptance/cost axis compares measured costs); None
+    without an analysed cell."""
+    cells = [a for a in analysed if a and a.get("t_overhead") is not None and a.get("t_fwd_b")]
+    if not cells:
+        return None
+    cost_time = sum((a["t_draft"] if a["source"] == "reference traces" else a["t_overhead"])
+                    * a["steps"] for a in cells)
+    fwd_time = sum(a["t_fwd_b"] * a["steps"] for a in cells)
+    return cost_time / fwd_time if fwd_time else None

@@ -32,7 +32,7 @@ Files
   is written (tar), AND on the bytes actually decompressed, counted while streaming; a
   .tar.gz stream is also capped as a whole (headers included). The archive itself may not
   exceed the limit either. At most ``max_files`` files.
-- ``ngram`` takes no files (its parameters: ``validate_ngram_params``).
+- ``ngram`` takes no files (its parameters: ``validate_method_params``).
 
 The modules: ``names`` (name and extension rules), ``archives`` (extraction), ``contents``
 (the extracted files), ``validate`` (the entry points), ``results`` (what goes in and
@@ -80,7 +80,7 @@ the caller removes it with ``cleanup()`` (or by using the result as a context ma
 """
 from worker.checkpoint.results import (CheckpointFile, CheckpointRejected, Problem, TargetFacts,
                                        Upload, ValidatedCheckpoint)
-from worker.checkpoint.validate import validate_checkpoint, validate_ngram_params
+from worker.checkpoint.validate import validate_checkpoint, validate_method_params
 
 __all__ = ["CheckpointFile", "CheckpointRejected", "Problem", "TargetFacts", "Upload",
-           "ValidatedCheckpoint", "validate_checkpoint", "validate_ngram_params"]
+           "ValidatedCheckpoint", "validate_checkpoint", "validate_method_params"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from worker import methods
 from worker.checkpoint.results import CheckpointRejected, Problem, TargetFacts, Upload
-from worker.checkpoint.validate import validate_checkpoint, validate_ngram_params
+from worker.checkpoint.validate import validate_checkpoint, validate_method_params
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,13 +42,13 @@ def cli(args) -> int:
             return 2
         uploads.append(Upload(path.name, path, path.stat().st_size))
     try:
-        if args.method == "ngram" and args.params is not None:
+        if args.params is not None:
             try:
                 params = json.loads(args.params)
             except ValueError as e:
                 raise CheckpointRejected([Problem("params", "params", f"not JSON: {e}")])
             ks = [int(k) for k in str(args.ks).split(",") if k.strip()]
-            print(f"params: {json.dumps(validate_ngram_params(params, ks))}")
+            print(f"params: {json.dumps(validate_method_params(args.method, params, ks))}")
         result = validate_checkpoint(uploads, args.method, target, max_total_bytes=args.max_bytes)
     except CheckpointRejected as e:
         print(str(e))

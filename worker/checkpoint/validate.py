@@ -7,7 +7,6 @@ import shutil
 from typing import Iterable, Mapping
 
 from worker import methods
-from worker.methods import ngram
 from worker.checkpoint.archives import DEFAULT_MAX_FILES, Extraction
 from worker.checkpoint.contents import check_contents
 from worker.checkpoint.results import (CheckpointFile, CheckpointRejected, Problem, TargetFacts,
@@ -66,30 +65,34 @@ def validate_checkpoint(uploads: Iterable, method: str, target, *, max_total_byt
         raise
 
 
-NGRAM_KEYS = (*ngram.PARAMS, "k")
-
-
-def validate_ngram_params(params: Mapping, allowed_ks: Iterable[int]) -> dict:
-    """Check n-gram prompt-lookup parameters by the method's own rule
-    (worker.methods.ngram.lookup_bounds: integers from 1 to 16, min <= max, a missing bound
-    filled as vLLM fills it), and ``k`` (optional; the protocol's budgets apply when it is
-    absent) in ``allowed_ks``. Returns the normalised parameters (both bounds) or raises
+def validate_method_params(method: str, params: Mapping, allowed_ks: Iterable[int]) -> dict:
+    """Check a submission's method parameters by the method's own rule
+    (``Method.check_submitted_params``; n-gram: worker.methods.ngram.lookup_bounds), and
+    ``k`` (optional; the protocol's budgets apply when it is absent) in ``allowed_ks``. A
+    method without such a rule takes k alone. Returns the normalised parameters or raises
     CheckpointRejected."""
     problems = []
     allowed = sorted(set(allowed_ks))
+    rule = methods.get(method).check_submitted_params
+    keys = (*(methods.ALLOWED_PARAMS[method] if rule else ()), "k")
 
     def bad(fld, msg):
         problems.append(Problem("params", fld, msg))
 
     if not isinstance(params, Mapping):
-        raise CheckpointRejected([Problem("params", "params", "must be a JSON object with "
-                                          "prompt_lookup_min and prompt_lookup_max")])
+        raise CheckpointRejected([Problem("params", "params", "must be a JSON object")])
     for key in params:
-        if key not in NGRAM_KEYS:
-            bad(key, f"unknown parameter: ngram takes {', '.join(NGRAM_KEYS)}")
-    out, bound_problems = ngram.lookup_bounds(params)
-    for key, msg in bound_problems:
-        bad(key, msg)
+        if key in keys:
+            continue
+        takers = [m.name for m in methods.REGISTRY.values()
+                  if m.check_submitted_params and key in m.params]
+        bad(key, f"applies to the {', '.join(takers)} method only: leave it empty for {method}"
+            if takers else f"unknown parameter: {method} takes {', '.join(keys)}")
+    out = {}
+    if rule:
+        out, rule_problems = rule(params)
+        for key, msg in rule_problems:
+            bad(key, msg)
     if "k" in params:
         k = params["k"]
         if not is_int(k) or k not in allowed:

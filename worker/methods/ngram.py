@@ -50,6 +50,7 @@ METHOD = Method(
     label="n-gram prompt lookup",
     needs_weights=False,
     params=PARAMS,
+    check_submitted_params=lookup_bounds,
     speculative_config=speculative_config,
     proposer="NgramProposer",
     draft_cost=False,

@@ -81,6 +81,12 @@ class Recipe:
     # The recipe's own options (its constructor's keywords) that train_drafter may set.
     options: tuple[str, ...] = ()
 
+    @classmethod
+    def options_for(cls, ks, options: dict | None) -> dict:
+        """The options to train with for a protocol measuring the budgets ks (defaults a
+        protocol implies filled in); raises ValueError for options it cannot measure."""
+        return dict(options or {})
+
     def __init__(self, target: Llama, target_hf: dict):
         self.target, self.target_hf = target, target_hf
         for p in target.parameters():
@@ -255,6 +261,19 @@ def _unrolled_mask(width: int, s: int) -> torch.Tensor:
 class MedusaRecipe(Recipe):
     name = method = "medusa"
     options = ("heads",)
+
+    @classmethod
+    def options_for(cls, ks, options: dict | None) -> dict:
+        """Medusa heads propose one token each, so the protocol's largest k needs as many
+        heads: the default is that many (3 at least); fewer is refused before any training."""
+        options = dict(options or {})
+        max_k, heads = max(ks), options.get("heads")
+        if heads is None:
+            options["heads"] = max(3, max_k)
+        elif heads < max_k:
+            raise ValueError(f"measures k up to {max_k}, but {heads} Medusa heads "
+                             f"propose at most {heads} tokens: give --heads {max_k} or more")
+        return options
     summary = ("Medusa heads, one residual block per drafted token, sharing the target's lm_head: "
                "head i predicts the token i + 2 places ahead from one hidden state")
     defaults = {"lr": 1e-3, "batch_size": 4, "heads": 3, "head_layers": 1}
