@@ -55,6 +55,29 @@ def draft_token(logits, temperature, generator, probs: list) -> int:
     return int(torch.multinomial(q, 1, generator=generator))
 
 
+def draft_loop(todo, num_tokens, generators, temperature, first_logits, next_logits) -> dict:
+    """The drafting loop of the autoregressive proposers: from each drafting sequence's
+    logits, draft one token (draft_token), then run the next draft forward only for the
+    sequences that want more: ``next_logits(live, keep, step)`` gets the sequences still
+    drafting, their places in the previous step and the previous step's tokens, and
+    returns their logits. Returns {sequence index: Draft} for ``todo``."""
+    tokens = {i: [] for i in todo}
+    probs = {i: [] for i in todo}
+    live, logits = list(todo), first_logits
+    while live:
+        step = []
+        for i, row_logits in zip(live, logits):
+            token = draft_token(row_logits, temperature, generators[i], probs[i])
+            tokens[i].append(token)
+            step.append(token)
+        keep = [j for j, i in enumerate(live) if len(tokens[i]) < num_tokens[i]]
+        if not keep:
+            break
+        live = [live[j] for j in keep]
+        logits = next_logits(live, keep, step)
+    return {i: Draft(tokens[i], torch.stack(probs[i]) if probs[i] else None) for i in todo}
+
+
 class NgramProposer:
     """Prompt lookup: find the longest n-gram (prompt_lookup_max down to prompt_lookup_min
     tokens) that ends the context and also occurs earlier in it, and propose the tokens that
@@ -125,30 +148,19 @@ class DraftModelProposer:
         logits = self.model(_right_pad(catch_up, self.device), self.cache, rows=row_index,
                             logits_at=last[:, None])[:, 0]
         self.cache.lengths[row_index] += last + 1
-        tokens = {i: [] for i in todo}
-        probs = {i: [] for i in todo}
-        live = list(todo)
-        for position in range(max(num_tokens[i] for i in todo)):
-            logits = self._to_target_vocab(logits)
-            step_tokens = []
-            for i, row_logits in zip(live, logits):
-                token = draft_token(row_logits, self.temperature, generators[i], probs[i])
-                tokens[i].append(token)
-                step_tokens.append(token)
-            # Only sequences that want more drafts run the next draft forward.
-            keep = [j for j, i in enumerate(live) if len(tokens[i]) < num_tokens[i]]
-            if not keep:
-                break
-            live = [live[j] for j in keep]
+
+        def next_logits(live, keep, step):
             row_index = torch.tensor([rows[i] for i in live], device=self.device)
-            new_ids = torch.tensor([[step_tokens[j]] for j in keep], device=self.device)
+            new_ids = torch.tensor([[step[j]] for j in keep], device=self.device)
             logits = self.model(new_ids, self.cache, rows=row_index)[:, 0]
             self.cache.lengths[row_index] += 1
-            for i in live:
-                self.cached_ids[rows[i]].append(tokens[i][-1])
-        for i in todo:
-            drafts[i] = Draft(tokens[i], torch.stack(probs[i]) if probs[i] else None)
-        return drafts
+            for i, j in zip(live, keep):
+                self.cached_ids[rows[i]].append(step[j])
+            return self._to_target_vocab(logits)
+
+        drafted = draft_loop(todo, num_tokens, generators, self.temperature,
+                             self._to_target_vocab(logits), next_logits)
+        return [drafted.get(i, draft) for i, draft in enumerate(drafts)]
 
     def _common_prefix(self, row, context) -> int:
         cached, common = self.cached_ids[row], self.synced[row]
@@ -217,30 +229,21 @@ class EagleProposer:
         committed = self.cache.lengths[row_index].clone()
         feature = out[torch.arange(len(rows)), lengths - 1]  # [R, hidden]: predicts token n
         todo = [i for i, n in enumerate(num_tokens) if n > 0]
-        tokens = {i: [] for i in todo}
-        probs = {i: [] for i in todo}
-        live = list(todo)
-        feature = feature[todo] if todo else feature
-        while live:
-            logits = self.logits(feature.to(target_dtype))
-            step = []
-            for j, i in enumerate(live):
-                token = draft_token(logits[j], self.temperature, generators[i], probs[i])
-                tokens[i].append(token)
-                step.append(token)
-            keep = [j for j, i in enumerate(live) if len(tokens[i]) < num_tokens[i]]
-            if not keep:
-                break
-            live = [live[j] for j in keep]
+        feature = feature[todo]
+
+        def next_logits(live, keep, step):
+            nonlocal feature
             sub = torch.tensor([rows[i] for i in live], device=self.device)
             ids = torch.tensor([[step[j]] for j in keep], device=self.device)
             out = self.head(self.embed(ids).to(dtype), feature[keep][:, None], self.cache, rows=sub)
             self.cache.lengths[sub] += 1
             feature = out[:, 0]
+            return self.logits(feature.to(target_dtype))
+
+        drafted = draft_loop(todo, num_tokens, generators, self.temperature,
+                             self.logits(feature.to(target_dtype)) if todo else [], next_logits)
         self.cache.lengths[row_index] = committed  # drafted positions are never committed
-        for i in todo:
-            drafts[i] = Draft(tokens[i], torch.stack(probs[i]) if probs[i] else None)
-        return drafts
+        return [drafted.get(i, draft) for i, draft in enumerate(drafts)]
 
 
 class MedusaProposer:

@@ -1,5 +1,5 @@
 """The two entry points of a submission's validation: ``validate_checkpoint`` for a
-drafter's files and ``validate_ngram_params`` for the parameters of a method without files."""
+drafter's files and ``validate_method_params`` for a submission's method parameters."""
 from __future__ import annotations
 
 import os
