@@ -67,14 +67,22 @@ def pytest_report_header(config):
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items):
-    # trylast: after pytest's own reordering by fixture scope; sorted() is stable.
+    # trylast: after pytest's own reordering by fixture scope; sorted() is stable. A module
+    # moves whole, in the group of its slowest test: split over two groups, its
+    # module-scoped fixtures (a vLLM engine's events, minutes) would be built twice.
     def group(item):
         for i, marker in enumerate(SLOW_MARKERS, start=1):
             if item.get_closest_marker(marker):
                 return i
         return 0
 
-    items[:] = sorted(items, key=group)
+    def module(item):
+        return item.nodeid.split("::")[0]
+
+    slowest = {}
+    for item in items:
+        slowest[module(item)] = max(slowest.get(module(item), 0), group(item))
+    items[:] = sorted(items, key=lambda item: slowest[module(item)])
 
 
 def pytest_unconfigure(config):

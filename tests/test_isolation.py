@@ -90,29 +90,33 @@ def test_a_process_started_by_a_test_uses_the_same_var(settings):
                     str(settings.MEDIA_ROOT), settings.BROKER_KEY_PREFIX]
 
 
-def test_fast_tests_are_collected_first_then_browser_then_vllm(tmp_path):
-    (tmp_path / "test_mixed.py").write_text(textwrap.dedent("""\
+def test_fast_tests_are_collected_first_then_browser_then_vllm_modules_whole(tmp_path):
+    # A module moves whole, in the group of its slowest test (its module fixtures are built
+    # once); within a group the collection order stays.
+    (tmp_path / "test_engine.py").write_text(textwrap.dedent("""\
         import pytest
 
         @pytest.mark.vllm
         def test_engine_a(): pass
 
+        def test_engine_fast(): pass
+    """))
+    (tmp_path / "test_mixed.py").write_text(textwrap.dedent("""\
+        import pytest
+
         def test_fast_a(): pass
 
         @pytest.mark.browser
         def test_browser_a(): pass
-
-        def test_fast_b(): pass
-
-        @pytest.mark.vllm
-        def test_engine_b(): pass
     """))
+    (tmp_path / "test_plain.py").write_text("def test_fast_b(): pass\n")
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "tests.isolation",
-         "-p", "no:django", "-p", "no:cacheprovider", "test_mixed.py"],
+         "-p", "no:django", "-p", "no:cacheprovider", "test_engine.py", "test_mixed.py",
+         "test_plain.py"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
         env=subprocess_env(PYTHONPATH=str(ROOT)))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     order = [line.split("::")[-1] for line in done.stdout.splitlines() if "::" in line]
-    assert order == ["test_fast_a", "test_fast_b", "test_browser_a", "test_engine_a",
-                     "test_engine_b"]
+    assert order == ["test_fast_b", "test_fast_a", "test_browser_a", "test_engine_a",
+                     "test_engine_fast"]

@@ -54,7 +54,7 @@ from worker.cell import (FIGURE_KEYS, CellResult, PromptItem, cell_result,  # no
                          measure_pass, request_seed, request_spec_counts, run_concurrent)
 from worker.methods import (check_supported, drafter_engine_args, speculative_config,
                             synthetic_acceptance_config, validate_drafter_files)
-from worker.protocol import MULTI_TURN_FIRST_TURN, Cell, ProtocolSpec
+from worker.protocol import MULTI_TURN_FIRST_TURN, Cell, ProtocolSpec, cell_key
 
 
 @dataclass
@@ -451,7 +451,7 @@ def cli(args) -> int:
         rows = json.loads(cells_path.read_text())
     elif requests_path.exists():
         requests_path.unlink()
-    skip = frozenset((r["task"], r["batch_size"], float(r["temperature"]), r["k"]) for r in rows)
+    skip = frozenset(cell_key(r) for r in rows)
     job = MeasureJob(spec, str(args.target), drafter, prompts, skip,
                      getattr(args, "synthetic_acceptance_length", None))
     try:
@@ -467,8 +467,7 @@ def cli(args) -> int:
                       flush=True)
                 continue
             # A group measured again whole yields cells already in rows: replace them.
-            rows = [r for r in rows if (r["task"], r["batch_size"], float(r["temperature"]),
-                                        r["k"]) != event.cell.key]
+            rows = [r for r in rows if cell_key(r) != event.cell.key]
             rows.append(_cell_row(event))
             _write_json(cells_path, rows)
             with gzip.open(requests_path, "at") as f:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from worker import metrics
 from worker.methods import NO_DRAFT_COST_METHODS
 from .cost_model import CostModel, fit_cost_models, place_on_map
+from .speedups import cell_key
 
 log = logging.getLogger(__name__)
 
@@ -368,10 +369,10 @@ def analyse_run(cells: list[dict], baseline_cells: list[dict], method: str | Non
     """analyse_cell for each drafter cell, with the cost model of its (task, temperature)
     fitted on the baseline cells (baseline throughput from the same cells)."""
     models = fit_cost_models(baseline_cells)
-    base_thr = {(c["task"], c["batch_size"], float(c["temperature"])): c.get("output_throughput")
+    base_thr = {cell_key(c): c.get("output_throughput")
                 for c in baseline_cells}
     return [analyse_cell(c, models.get((c["task"], float(c["temperature"]))), method,
-                         base_thr.get((c["task"], c["batch_size"], float(c["temperature"]))))
+                         base_thr.get(cell_key(c)))
             for c in cells]
 
 
