@@ -12,18 +12,10 @@ from ..models import Result
 
 
 def pinned_for(cells: list[dict]) -> dict[int, dict[tuple, dict]]:
-    """The same as `pinned_baselines` for the cell dicts at hand (their baseline_result_id).
-    One query."""
+    """{drafter run id: {(task, batch size, temperature): the baseline cell dict its cells
+    divide by}} for the cell dicts at hand (their baseline_result_id). One query."""
     return _pinned({(c["run_id"], c["baseline_result_id"]) for c in cells
                     if c["k"] > 0 and c.get("baseline_result_id")})
-
-
-def pinned_baselines(run_ids) -> dict[int, dict[tuple, dict]]:
-    """{drafter run id: {(task, batch size, temperature): the baseline cell dict its cells
-    divide by}}. Two queries."""
-    return _pinned(Result.objects.filter(run_id__in=list(run_ids), k__gt=0,
-                                         baseline_result__isnull=False)
-                   .values_list("run_id", "baseline_result_id").distinct())
 
 
 def _pinned(links) -> dict[int, dict[tuple, dict]]:
