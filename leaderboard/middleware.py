@@ -1,12 +1,27 @@
 """Refusals that must come before a request body is read.
 
-The submit page's upload can be gigabytes. Django reads a POST body as soon as anything
-touches ``request.POST`` — the CSRF check does, before the view runs — so the size limit
-and the submission rate limit are checked here, in ``process_request`` (which runs before
-every middleware's ``process_view``), from the Content-Length header and the session's
-user. The API does the same in its token check (leaderboard/api/auth.py).
+Django reads a POST body as soon as anything touches ``request.POST`` — the CSRF check does,
+before the view runs — and a multipart body's files are spooled to a temporary file however
+large they are (DATA_UPLOAD_MAX_MEMORY_SIZE counts only the other fields). So every
+request's body is capped here, in ``__call__`` (which runs before every middleware's
+``process_view``, the CSRF check's included), from the Content-Length header alone:
+
+- uploads (POST /submit/ and POST /api/drafters): SPECBOARD_MAX_UPLOAD_BYTES;
+- everything else: SPECBOARD_MAX_REQUEST_BYTES;
+- a body without a Content-Length (``Transfer-Encoding: chunked``): 411. Django reads such a
+  body as empty anyway (WSGI gives it no length), so nothing that works is refused.
+
+The submit page's rate limit is checked here too, from the session's user; the API checks
+it in its token check (leaderboard/api/auth.py).
+
+A refusal sets no ``Connection`` header: it is hop-by-hop, which a WSGI application may not
+set (wsgiref, hence runserver, turns the response into a 500; gunicorn drops it). What
+becomes of the unread body is the server's business: gunicorn's sync worker closes the
+connection after every response; runserver reads the rest of the body before it serves the
+connection's next request (a client that got its answer and closes ends that at once).
 """
 from django.conf import settings
+from django.http import HttpResponse, JsonResponse
 from django.shortcuts import render
 from django.urls import reverse
 
@@ -32,31 +47,63 @@ def upload_too_large_message(length: int) -> str | None:
             "the drafter's own tensors)")
 
 
+def request_too_large_message(length: int) -> str | None:
+    limit = settings.SPECBOARD_MAX_REQUEST_BYTES
+    if length <= limit:
+        return None
+    return (f"the request body is {length} bytes; request bodies are limited to {limit} "
+            "bytes (SPECBOARD_MAX_REQUEST_BYTES; uploads have SPECBOARD_MAX_UPLOAD_BYTES)")
+
+
+NO_LENGTH_MESSAGE = ("the request body has no Content-Length header: send it with one "
+                     "(chunked request bodies are not accepted)")
+
+
 class UploadGuardMiddleware:
-    """POST /submit/: 413 over the size limit, 429 over the rate limit, body unread."""
+    """Every request: 413 over its body limit, 411 without a Content-Length; POST /submit/:
+    429 over the submission rate limit. The body is never read."""
 
     def __init__(self, get_response):
         self.get_response = get_response
 
     def __call__(self, request):
-        if request.method == "POST" and request.path == reverse("submit"):
-            refusal = self.refusal(request)
-            if refusal is not None:
-                return refusal
-        return self.get_response(request)
+        return self.refusal(request) or self.get_response(request)
 
     def refusal(self, request):
-        message = upload_too_large_message(content_length(request))
-        status = 413
-        if message is None and request.user.is_authenticated:
-            try:
-                submissions.check_rate_limit(request.user)
-            except submissions.SubmissionRefused as e:
-                message, status = e.problems[0].message, 429
-        if message is None:
+        upload = request.method == "POST" and request.path in (
+            reverse("submit"), reverse("api:list_drafters"))  # GET lists, POST submits
+        api = request.path.startswith(reverse("api:api-root"))
+        if "HTTP_TRANSFER_ENCODING" in request.META:
+            return self.refused(request, 411, NO_LENGTH_MESSAGE, api, "(request)")
+        length = content_length(request)
+        if upload:
+            message = upload_too_large_message(length)
+            if message is not None:
+                return self.refused(request, 413, message, api, "(upload)")
+            if not api and request.user.is_authenticated:
+                try:
+                    submissions.check_rate_limit(request.user)
+                except submissions.SubmissionRefused as e:
+                    return self.refused(request, 429, e.problems[0].message, api, "(upload)")
             return None
-        # The unread body is dropped with the connection, not read to the end.
-        response = render(request, "leaderboard/submit_refused.html",
-                          {"message": message}, status=status)
-        response["Connection"] = "close"
-        return response
+        message = request_too_large_message(length)
+        if message is not None:
+            return self.refused(request, 413, message, api, "(request)")
+        return None
+
+    @staticmethod
+    def refused(request, status, message, api, about):
+        """The refusal as each kind of client reads it: the API's error shape, the submit
+        page's own page, plain text elsewhere."""
+        if api:
+            # Imported here: leaderboard.api imports this module (its token check).
+            from .api.errors import problem
+
+            return JsonResponse({"detail": [problem(about, "size" if status == 413 else
+                                                    "Content-Length", message)]},
+                                status=status)
+        if request.path == reverse("submit"):
+            return render(request, "leaderboard/submit_refused.html", {"message": message},
+                          status=status)
+        return HttpResponse(message + "\n", status=status,
+                            content_type="text/plain; charset=utf-8")

@@ -64,7 +64,9 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
-    # Upload size and rate checked before the CSRF check reads the body.
+    # Every request's body size (and the submit page's rate) checked before anything reads
+    # the body: its __call__ runs before every middleware's process_view, where the CSRF
+    # check reads request.POST.
     "leaderboard.middleware.UploadGuardMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
@@ -232,6 +234,10 @@ RATELIMIT_VIEW = "leaderboard.views.rate_limited"
 SPECBOARD_SUBMISSIONS_PER_DAY = env_int("SPECBOARD_SUBMISSIONS_PER_DAY", 5)
 # Largest upload (all files of one drafter together, archives as decompressed).
 SPECBOARD_MAX_UPLOAD_BYTES = env_int("SPECBOARD_MAX_UPLOAD_BYTES", 20 * 1024 ** 3)
+# Largest body of any other request (forms, API writes): refused with 413 before it is read
+# (leaderboard/middleware.py); Django's own DATA_UPLOAD_MAX_MEMORY_SIZE leaves a multipart
+# body's files unbounded, spooled to a temporary file.
+SPECBOARD_MAX_REQUEST_BYTES = env_int("SPECBOARD_MAX_REQUEST_BYTES", 1024 ** 2)
 # A sharded checkpoint may have many files (worker/checkpoint/ allows 256).
 DATA_UPLOAD_MAX_NUMBER_FILES = 300
 # The leaderboard table and the drafter page's results are cached per state of the data
