@@ -25,6 +25,8 @@ from django.http import HttpResponse, JsonResponse
 from django.shortcuts import render
 from django.urls import reverse
 
+from worker.checkpoint import Problem
+
 from .services import submissions
 
 # A multipart body carries boundaries and the form fields besides the files.
@@ -96,12 +98,10 @@ class UploadGuardMiddleware:
         """The refusal as each kind of client reads it: the API's error shape, the submit
         page's own page, plain text elsewhere."""
         if api:
-            # Imported here: leaderboard.api imports this module (its token check).
-            from .api.errors import problem
-
-            return JsonResponse({"detail": [problem(about, "size" if status == 413 else
-                                                    "Content-Length", message)]},
-                                status=status)
+            # The API's error shape (leaderboard/api/errors.py), a checkpoint Problem's.
+            return JsonResponse({"detail": [Problem(
+                about, "size" if status == 413 else "Content-Length", message).as_dict()]},
+                status=status)
         if request.path == reverse("submit"):
             return render(request, "leaderboard/submit_refused.html", {"message": message},
                           status=status)
