@@ -7,7 +7,12 @@ server per size, side by side. The goal is flat memory: the upload streams to a 
 file (Django's TemporaryFileUploadHandler), through validation in chunks and into the
 storage, so a 2 GiB upload peaks where a 200 MiB one does.
 
-    .venv/bin/python bench/upload_memory.py [--sizes-mib 200,2048]
+    .venv/bin/python bench/upload_memory.py [--sizes-mib 200,2048] [--formats safetensors,bin]
+
+``--formats``: each size is sent as ``model.safetensors`` and, with ``bin``, as the same
+tensors pickled into ``pytorch_model.bin`` (SafeAILab's layout), which the site converts to
+safetensors in a sandboxed child (worker/checkpoint/convert.py): the web worker's own peak
+must not grow with it either.
 
 The checkpoint is a one-layer Llama draft model for a tiny target (vocab 64, hidden 16)
 whose MLP is made as wide as the size asks; its weights are zeros, written and sent in
@@ -73,6 +78,18 @@ def write_checkpoint(folder: Path, size_bytes: int) -> tuple[Path, Path]:
     return config, weights
 
 
+def write_pickled(folder: Path, size_bytes: int) -> tuple[Path, Path]:
+    """The same checkpoint with its tensors pickled by torch.save into pytorch_model.bin."""
+    import torch
+    from safetensors.torch import load_file
+
+    config, weights = write_checkpoint(folder, size_bytes)
+    binary = folder / "pytorch_model.bin"
+    torch.save(load_file(weights), binary)
+    weights.unlink()
+    return config, binary
+
+
 def manage(env, *args):
     done = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
@@ -136,8 +153,8 @@ def upload(port, token, files) -> tuple[int, str, float]:
     return response.status, body, time.monotonic() - t0
 
 
-def measure(size_mib: int, work: Path) -> dict:
-    var = work / f"var-{size_mib}"
+def measure(size_mib: int, work: Path, fmt: str = "safetensors") -> dict:
+    var = work / f"var-{size_mib}-{fmt}"
     env = {**os.environ, "SPECBOARD_VAR_DIR": str(var), "DEBUG": "0",
            "DATABASE_URL": f"sqlite:///{var / 'db.sqlite3'}",
            "SPECBOARD_MAX_UPLOAD_BYTES": str(4 << 30), "SPECBOARD_SUBMISSIONS_PER_DAY": "0",
@@ -145,10 +162,10 @@ def measure(size_mib: int, work: Path) -> dict:
     var.mkdir(parents=True)
     manage(env, "migrate", "--noinput")
     token = manage(env, "shell", "-c", SETUP).split("TOKEN", 1)[1].strip()
-    ckpt = work / f"ckpt-{size_mib}"
+    ckpt = work / f"ckpt-{size_mib}-{fmt}"
     ckpt.mkdir()
-    files = write_checkpoint(ckpt, size_mib << 20)
-    port = 18500 + size_mib % 400
+    files = (write_pickled if fmt == "bin" else write_checkpoint)(ckpt, size_mib << 20)
+    port = 18500 + size_mib % 400 + (1 if fmt == "bin" else 0)
     server = subprocess.Popen([sys.executable, "-m", "gunicorn", "leaderboard.wsgi", "-b",
                                f"127.0.0.1:{port}", "-w", "1", "--timeout", "3600"],
                               cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
@@ -168,7 +185,7 @@ def measure(size_mib: int, work: Path) -> dict:
     finally:
         server.terminate()
         server.wait(timeout=30)
-    return {"size_mib": size_mib, "bytes": sum(p.stat().st_size for p in files),
+    return {"size_mib": size_mib, "format": fmt, "bytes": sum(p.stat().st_size for p in files),
             "status": status, "seconds": seconds, "peak_before_mib": before / 1024,
             "peak_mib": peak / 1024, "body": body[:300]}
 
@@ -176,20 +193,25 @@ def measure(size_mib: int, work: Path) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mib", default="200,2048")
+    parser.add_argument("--formats", default="safetensors",
+                        help="safetensors and/or bin (pytorch_model.bin, converted by the site)")
     parser.add_argument("--work", default=None, help="folder for the files (default: a temp dir)")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes_mib.split(",")]
+    formats = [f for f in args.formats.split(",") if f]
     with tempfile.TemporaryDirectory(dir=args.work, prefix="specboard-upload-") as work:
-        rows = [measure(s, Path(work)) for s in sizes]
-    print("\nupload size | status | seconds | web worker peak RSS before -> after upload")
+        rows = [measure(s, Path(work), f) for s in sizes for f in formats]
+    print("\nupload size | format | status | seconds | web worker peak RSS before -> after upload")
     for r in rows:
-        print(f"{r['bytes'] / 2**20:9.0f} MiB | {r['status']} | {r['seconds']:7.1f} | "
-              f"{r['peak_before_mib']:.0f} MiB -> {r['peak_mib']:.0f} MiB")
+        print(f"{r['bytes'] / 2**20:9.0f} MiB | {r['format']:11} | {r['status']} | "
+              f"{r['seconds']:7.1f} | {r['peak_before_mib']:.0f} MiB -> {r['peak_mib']:.0f} MiB")
         if r["status"] != 201:
             print(f"   answer: {r['body']}")
     if len(rows) > 1:
         print(f"peak ratio largest / smallest upload: "
-              f"{rows[-1]['peak_mib'] / rows[0]['peak_mib']:.2f} (goal: about 1, flat)")
+              f"{rows[-1]['peak_mib'] / rows[0]['peak_mib']:.2f}; highest / lowest peak of all: "
+              f"{max(r['peak_mib'] for r in rows) / min(r['peak_mib'] for r in rows):.2f} "
+              "(goal: about 1, flat)")
 
 
 if __name__ == "__main__":

@@ -202,8 +202,13 @@ class Drafter(models.Model):
     description = models.TextField(blank=True)
     link = models.URLField(blank=True)
     licence = models.CharField(max_length=100, blank=True)
-    content_sha256 = models.CharField(max_length=64, blank=True, db_index=True,
-                                      help_text="hash of the uploaded files (or of the params)")
+    content_sha256 = models.CharField(
+        max_length=64, blank=True, db_index=True,
+        help_text="hash of the tensors and config (worker.checkpoint content_sha256), or of "
+                  "the method and params for a drafter without files")
+    # The published format and what intake did to it: format, converted_from, notes,
+    # verifier (worker/checkpoint/formats.py Intake.as_dict).
+    intake = models.JSONField(default=dict, blank=True)
     claimed_acceptance_length = models.FloatField(null=True, blank=True)
     claimed_speedup = models.FloatField(null=True, blank=True)
     claimed_source = models.URLField(blank=True)

@@ -485,7 +485,7 @@ def test_a_refused_submission_is_a_422_naming_the_file_and_field(client, users, 
                                                                   case):
     data = {
         "pickle": {**submission("draft_model"), "files": [
-            upload("config.json", tiny_config()), upload("pytorch_model.bin", b"\x80\x04")]},
+            upload("config.json", tiny_config()), upload("model.pt", b"\x80\x04")]},
         "wrong vocab": {**submission("draft_model"), "files": [
             upload("config.json", tiny_config(vocab_size=32)),
             upload("model.safetensors", tiny_weights(vocab=32))]},
@@ -493,7 +493,7 @@ def test_a_refused_submission_is_a_422_naming_the_file_and_field(client, users, 
         "protocol": submission(protocol="nope@3"),
         "method": submission(method="magic"),
     }[case]
-    want = {"pickle": ("pytorch_model.bin", "extension"),
+    want = {"pickle": ("model.pt", "extension"),
             "wrong vocab": ("config.json", "vocab_size"),
             "form": ("(form)", "claimed_source"),
             "protocol": ("(form)", "protocol"),

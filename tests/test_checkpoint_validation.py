@@ -248,13 +248,21 @@ def test_file_objects_are_accepted_and_hash_like_paths(tmp_path, work):
 # pickles and code
 
 
-def test_pickle_bin_with_payload_is_refused_by_extension_and_never_unpickled(tmp_path, work):
+def test_pickle_with_payload_is_refused_and_never_unpickled(tmp_path, work):
     marker = tmp_path / "PWNED"
     payload = pickle.dumps(Payload(marker))
+    # Under a published weights name it is read in the sandbox by torch's restricted
+    # unpickler (weights_only), which refuses the payload's callable without calling it.
+    problems = reject(write_files(tmp_path / "b", {"config.json": tiny_config(),
+                                                   "pytorch_model.bin": payload}), work=work)
+    p = find(problems, field="weights", file="pytorch_model.bin")
+    assert "other than tensors" in p.message and "never unpickled" in p.message
+    assert not marker.exists(), "the converter ran the pickle's code"
+    # Under any other name a pickle is refused unopened, with how to convert it.
     files = good_files()
-    files["pytorch_model.bin"] = payload
+    files["model.bin"] = payload
     problems = reject(write_files(tmp_path / "c", files), work=work)
-    p = find(problems, field="extension", file="pytorch_model.bin")
+    p = find(problems, field="extension", file="model.bin")
     assert "convert" in p.message and "safetensors" in p.message
     assert "safetensors.torch.save_file" in p.message
     assert "save_pretrained" in p.message and "safe_serialization=True" in p.message
@@ -310,9 +318,9 @@ def test_python_member_is_refused_as_remote_code(tmp_path, work):
 
 def test_other_extensions_are_refused_and_the_message_says_what_is_accepted(tmp_path, work):
     files = good_files()
-    files["README.md"] = b"# my drafter\n"
+    files["notes.txt"] = b"my drafter\n"
     p = find(reject(write_files(tmp_path / "c", files), work=work), field="extension",
-             file="README.md")
+             file="notes.txt")
     assert ".json" in p.message and ".safetensors" in p.message
 
 
@@ -767,19 +775,19 @@ def test_missing_config_and_weights_are_refused(tmp_path, work):
 def test_all_problems_are_collected_and_printed(tmp_path, work):
     files = {"config.json": tiny_config(vocab_size=65, auto_map={"AutoConfig": "x.Y"}),
              "model.safetensors": raw_safetensors({"a": T("F17", [4], 0, 8)}, b"\0" * 8),
-             "optimizer.pt": b"\x80\x04.", "notes.txt": b"hi"}
+             "weights.pt": b"\x80\x04.", "notes.txt": b"hi"}
     up = make_zip(tmp_path / "drafter.zip", files)
     with pytest.raises(CheckpointRejected) as info:
         validate_checkpoint([up], "draft_model", TINY, max_total_bytes=LIMIT, tmp_root=work)
     problems = info.value.problems
     for field in ("vocab_size", "auto_map", "a.dtype", "extension"):
         find(problems, field=field)
-    assert {p.member for p in problems if p.field == "extension"} == {"optimizer.pt", "notes.txt"}
+    assert {p.member for p in problems if p.field == "extension"} == {"weights.pt", "notes.txt"}
     text = str(info.value)
     assert text.splitlines()[0] == f"checkpoint rejected: {len(problems)} problems"
     assert len(text.splitlines()) == len(problems) + 1
     assert "drafter.zip -> config.json [vocab_size]" in text
-    assert "drafter.zip -> optimizer.pt [extension]" in text
+    assert "drafter.zip -> weights.pt [extension]" in text
     assert list(work.iterdir()) == []
 
 

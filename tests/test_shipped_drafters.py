@@ -136,7 +136,7 @@ def test_a_bad_shipped_folder_is_refused_with_what_to_fix_and_stores_nothing(sit
                 record=training_json(target, options={"heads": 2, "head_layers": 1}))
     write_heads(root / "e-unknown-recipe", 16, 64, record=training_json(target, recipe="magic"))
     folder = write_heads(root / "f-pickle", 16, 64, record=training_json(target))
-    (folder / "optimizer.pt").write_bytes(b"\x80\x04not a tensor")
+    (folder / "weights.pt").write_bytes(b"\x80\x04not a tensor")
     write_heads(root / "g-good", 16, 64, seed=5, record=training_json(target))
 
     report = shipping.register_shipped_drafters(protocol, root)
@@ -149,7 +149,7 @@ def test_a_bad_shipped_folder_is_refused_with_what_to_fix_and_stores_nothing(sit
     assert "no training.json" in refused["c-no-record"]
     assert "--heads 4" in refused["d-too-few-heads"]
     assert "unknown recipe 'magic'" in refused["e-unknown-recipe"]
-    assert "optimizer.pt" in refused["f-pickle"]
+    assert "weights.pt" in refused["f-pickle"]
     # Only the good folder is stored: its two files and nothing of the others.
     assert [d.training_details["shipped"] for d in report.registered] == ["g-good"]
     assert Drafter.objects.count() == 1 and DrafterFile.objects.count() == 2

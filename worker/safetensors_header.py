@@ -16,6 +16,7 @@ it and worker/checkpoint uses the registry.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import struct
@@ -164,3 +165,38 @@ def check_safetensors_header(path: Path, add) -> dict[str, tuple[str, list[int]]
             + ": save the weights again with safetensors")
         ok = False
     return tensors if ok else None
+
+
+def read_header(path: Path) -> dict | None:
+    """The header of a safetensors file already checked by ``check_safetensors_header``
+    (None if it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            return json.loads(f.read(n))
+    except (OSError, struct.error, ValueError):
+        return None
+
+
+def tensor_digests(path: Path) -> dict[str, tuple[str, list[int], str]]:
+    """{tensor name: (dtype, shape, sha256 of its bytes)} of a checked safetensors file,
+    read once in file order: what a checkpoint's content hash covers."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        base = 8 + n
+        out = {}
+        spans = sorted((info["data_offsets"], key) for key, info in header.items()
+                       if key != "__metadata__")
+        for (begin, end), key in spans:
+            f.seek(base + begin)
+            h = hashlib.sha256()
+            left = end - begin
+            while left:
+                chunk = f.read(min(left, 1 << 20))
+                if not chunk:
+                    raise ValueError(f"{path}: {key} is truncated")
+                h.update(chunk)
+                left -= len(chunk)
+            out[key] = (header[key]["dtype"], list(header[key]["shape"]), h.hexdigest())
+    return out

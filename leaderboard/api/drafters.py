@@ -59,6 +59,16 @@ class TrainingOut(Out):
                                    "from (drafters/ in the repository), if any")
 
 
+class IntakeOut(Out):
+    format: str = Field(description="the published format it was submitted in: safetensors, "
+                        "speculators, pytorch_model.bin (SafeAILab EAGLE), FasterDecoding "
+                        "Medusa (empty: stored before intake recorded it)")
+    converted_from: dict[str, str] = Field(description="stored file -> the uploaded pickle it "
+                                           "was converted from")
+    notes: list[str] = Field(description="what intake changed or dropped, and warnings")
+    verifier: Optional[str] = Field(description="the target a speculators config names")
+
+
 class DrafterOut(Out):
     id: int = Field(description="database id")
     slug: str = Field(description="stable identifier")
@@ -75,7 +85,9 @@ class DrafterOut(Out):
     description: str = Field(description="description")
     link: str = Field(description="code, paper or model card")
     licence: str = Field(description="licence of the weights")
-    content_sha256: str = Field(description="hash of the uploaded files (or of the params)")
+    content_sha256: str = Field(description="hash of the tensors (names, dtypes, shapes, bytes) "
+                                "and config, or of the method and params without files")
+    intake: IntakeOut = Field(description="the published format and what intake did to it")
     params: dict[str, Any] = Field(description="method parameters")
     created_at: datetime = Field(description="when it was submitted")
     target: TargetRef = Field(description="the target model it drafts for")

@@ -67,12 +67,7 @@ def drafter_overview(slug: str, protocol_ref: str | None = None) -> dict | None:
         succeeded = [r for r in runs if r.state == Run.SUCCEEDED]
         protocol = (succeeded[0].protocol if succeeded else runs[0].protocol) if runs else None
     run, remeasuring = _pick_run(runs, protocol.pk) if protocol else (None, None)
-    summary = drafter_summary(d)
-    summary.update(description=d.description, link=d.link, licence=d.licence,
-                   content_sha256=d.content_sha256, params=d.params, created_at=d.created_at,
-                   target={"slug": d.target.slug, "name": d.target.name},
-                   trained_by_recipe=d.trained_by_recipe, training=training_summary(d),
-                   total_bytes=sum(f["size"] for f in files))
+    summary = drafter_api_summary(d, sum(f["size"] for f in files))
     return {
         "drafter": summary, "files": files,
         "runs": [run_summary(r) for r in runs],
@@ -152,8 +147,16 @@ def drafter_api_summary(d: Drafter, total_bytes: int | None = None) -> dict:
                content_sha256=d.content_sha256, params=d.params, created_at=d.created_at,
                target={"slug": d.target.slug, "name": d.target.name},
                trained_by_recipe=d.trained_by_recipe, training=training_summary(d),
-               total_bytes=total_bytes or 0)
+               intake=intake_summary(d.intake), total_bytes=total_bytes or 0)
     return out
+
+
+def intake_summary(intake: dict | None) -> dict:
+    """The published format a drafter came in and what intake did to it (empty for a
+    drafter stored before intake recorded it)."""
+    intake = intake or {}
+    return {"format": intake.get("format", ""), "converted_from": intake.get("converted_from", {}),
+            "notes": list(intake.get("notes", [])), "verifier": intake.get("verifier")}
 
 
 def drafters_page(*, target: str | None = None, method: str | None = None,

@@ -26,8 +26,7 @@ from pathlib import Path
 from django.conf import settings
 from django.core.files.storage import default_storage
 
-from worker.checkpoint import Upload
-from worker.checkpoint.results import content_sha256
+from worker.checkpoint import Upload, checkpoint_content_sha256
 from worker.prompts import file_sha256
 
 from ..models import Drafter, Protocol, TrainingDataset
@@ -123,7 +122,8 @@ def register_shipped(folder: Path, protocol: Protocol) -> tuple[Drafter, bool]:
     except ServiceError as e:
         raise ShippedRefused(f"{folder.name}: {e}") from None
     uploads = _uploads(folder)
-    content = content_sha256((u.name, file_sha256(u.source)) for u in uploads)
+    content = checkpoint_content_sha256(
+        sorted(folder.glob("*.safetensors")), json.loads((folder / "config.json").read_text()))
     existing = (Drafter.objects.filter(target=target, content_sha256=content)
                 .order_by("created_at", "pk").first())
     if existing is not None:

@@ -64,7 +64,7 @@ def check_rate_limit(user):
 
 def target_facts(protocol: Protocol) -> TargetFacts:
     t = protocol.target
-    return TargetFacts(t.vocab_size, t.hidden_size, t.num_layers)
+    return TargetFacts(t.vocab_size, t.hidden_size, t.num_layers, t.hub_id or t.name)
 
 
 def check_params(method: str, params: dict, protocol: Protocol) -> dict:
@@ -179,7 +179,7 @@ def submit_drafter(*, owner, protocol: Protocol, method: str, name: str, uploads
             drafter = Drafter.objects.create(
                 owner=owner, slug=unique_slug(name), name=name, method=method,
                 target=protocol.target, params=params, description=description, link=link,
-                licence=licence, content_sha256=content,
+                licence=licence, content_sha256=content, intake=ckpt.intake,
                 claimed_acceptance_length=claimed_acceptance_length,
                 claimed_speedup=claimed_speedup, claimed_source=claimed_source,
                 **(extra_fields or {}))

@@ -12,10 +12,16 @@ Rules (each refusal is a ``Problem(file, field, message, member)``; all of them 
 collected and raised together as ``CheckpointRejected``):
 
 Files
-- Only ``.json`` and ``.safetensors`` files are accepted. Pickle-capable formats
-  (``.bin .pt .pth .pkl .pickle .ckpt .joblib``) are refused by name, never opened, with
-  how to convert them; code (``.py`` ...) is refused as remote code; anything else is
+- Only ``.json`` and ``.safetensors`` files are accepted, and the pickled weights of the
+  published formats (``pytorch_model.bin`` and its shards, ``medusa_lm_head.pt``), which are
+  converted to safetensors in a sandboxed child (formats.py). Every other pickle-capable
+  file (``.bin .pt .pth .pkl .pickle .ckpt .joblib``) is refused by name, never opened, with
+  how to convert it; code is refused as remote code (``.py`` files are dropped, never run,
+  from a speculators checkpoint, which ships its config class as code); anything else is
   refused with the list of what is accepted.
+- Files that published checkpoints carry beside the weights (``names.EXTRA_FILES``: model
+  cards, git attributes, training and optimizer state, tokenizer copies) are dropped unread,
+  with a note (``ValidatedCheckpoint.intake``).
 - Operating-system junk in archives or uploads (``__MACOSX/``, ``.DS_Store``, ``._*``
   AppleDouble files, ``Thumbs.db``, ``desktop.ini``) is IGNORED: it is never extracted,
   not part of the checkpoint or of its hash, and listed in ``ValidatedCheckpoint.ignored``.
@@ -34,9 +40,15 @@ Files
   exceed the limit either. At most ``max_files`` files.
 - ``ngram`` takes no files (its parameters: ``validate_method_params``).
 
-The modules: ``names`` (name and extension rules), ``archives`` (extraction), ``contents``
-(the extracted files), ``validate`` (the entry points), ``results`` (what goes in and
-out), ``cli`` (``python -m worker validate``). The safetensors header rules are those of
+Published formats (formats.py): a ``speculators`` config is read by vLLM's own code and the
+method's rules apply to the flat draft config vLLM builds; a FasterDecoding Medusa config
+gets the target's ``hidden_size`` and ``vocab_size``. ``ValidatedCheckpoint.intake`` says
+which format came in and what was done.
+
+The modules: ``names`` (name and extension rules), ``archives`` (extraction), ``formats``
+(published formats; ``speculators`` and ``convert`` run in worker/sandbox.py's child),
+``contents`` (the extracted files), ``validate`` (the entry points), ``results`` (what goes
+in and out), ``cli`` (``python -m worker validate``). The safetensors header rules are those of
 worker/safetensors_header.py; the config.json rules are each method's, in worker/methods.
 
 Safetensors (headers only; no tensor is ever loaded)
@@ -74,13 +86,17 @@ config.json (required at the top level for every method with weights)
   (or ``tie_word_embeddings``), and ``model.layers.i`` for exactly i < num_hidden_layers.
 
 The duplicate-hash and rate-limit checks need the database and are the caller's; the
-caller gets ``content_sha256`` (sha256 over the sorted (name, file sha256) pairs).
+caller gets ``content_sha256`` (``checkpoint_content_sha256``: every tensor's name, dtype,
+shape and bytes, and config.json as canonical JSON; file names, shards and formatting do
+not count).
 Validation writes only inside its own temporary directory, removed on failure; on success
 the caller removes it with ``cleanup()`` (or by using the result as a context manager).
 """
 from worker.checkpoint.results import (CheckpointFile, CheckpointRejected, Problem, TargetFacts,
                                        Upload, ValidatedCheckpoint)
-from worker.checkpoint.validate import validate_checkpoint, validate_method_params
+from worker.checkpoint.validate import (checkpoint_content_sha256, validate_checkpoint,
+                                        validate_method_params)
 
 __all__ = ["CheckpointFile", "CheckpointRejected", "Problem", "TargetFacts", "Upload",
-           "ValidatedCheckpoint", "validate_checkpoint", "validate_method_params"]
+           "ValidatedCheckpoint", "checkpoint_content_sha256", "validate_checkpoint",
+           "validate_method_params"]

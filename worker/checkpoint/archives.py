@@ -15,7 +15,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker.checkpoint.names import archive_kind, extension_problem, is_junk, normalise_name
+from worker.checkpoint.names import (archive_kind, extension_problem, is_extra, is_held_code,
+                                     is_junk, normalise_name)
 from worker.checkpoint.results import Problem, Upload
 
 DEFAULT_MAX_FILES = 256
@@ -89,6 +90,8 @@ class Extraction:
         self.entries: list[_Entry] = []
         self.names: set[str] = set()
         self.ignored: list[str] = []
+        self.dropped: list[str] = []   # published extras (names.EXTRA_FILES), never opened
+        self.held_code: list[tuple[str, str | None, str]] = []  # (file, member, name) of .py
         self.total = 0
         self.aborted = False
         self.tmp = Path(tempfile.mkdtemp(prefix="specboard-validate-", dir=tmp_root))
@@ -111,6 +114,20 @@ class Extraction:
                  f"({human_size(self.limit)}): upload a smaller checkpoint (bf16 weights, only "
                  "the drafter's own tensors)", member)
         self.aborted = True
+
+    def set_aside(self, file: str, member: str | None, name: str) -> bool:
+        """Whether the file is left out unread: operating-system junk (ignored), a published
+        checkpoint's extra (dropped with a note), or Python code (held: the checkpoint's
+        format decides between a note and a refusal, worker/checkpoint/formats.py)."""
+        if is_junk(name):
+            self.ignored.append(name)
+        elif is_extra(name):
+            self.dropped.append(name)
+        elif is_held_code(name):
+            self.held_code.append((file, member, name))
+        else:
+            return False
+        return True
 
     # writing ----------------------------------------------------------------------------
     def accept_name(self, file: str, member: str | None, name: str) -> bool:
@@ -195,8 +212,7 @@ class Extraction:
         if problem:
             self.add(str(up.name), "path", problem)
             return
-        if is_junk(name):
-            self.ignored.append(name)
+        if self.set_aside(up.name, None, name):
             return
         if not self.accept_name(up.name, None, name):
             return
@@ -257,8 +273,7 @@ class Extraction:
             return None
         if name is None or kind == "dir":
             return None
-        if is_junk(name):
-            self.ignored.append(name)
+        if self.set_aside(file, raw, name):
             return None
         return name
 
@@ -360,6 +375,10 @@ class Extraction:
         prefix = next(iter(firsts)) + "/" if strip else ""
         for e in self.entries:
             e.name = e.raw_name[len(prefix):]
+        if prefix:
+            cut = (lambda n: n[len(prefix):] if n.startswith(prefix) else n)
+            self.dropped = [cut(n) for n in self.dropped]
+            self.held_code = [(f, m, cut(n)) for f, m, n in self.held_code]
 
 
 def _zip_member_kind(info: zipfile.ZipInfo, mode: int) -> str:

@@ -61,4 +61,10 @@ def cli(args) -> int:
             print(f"  {f.sha256}  {f.size:>14}  {f.name}")
         for name in result.ignored:
             print(f"  ignored: {name}")
+        intake = result.intake
+        if intake.get("format"):
+            print(f"format: {intake['format']}"
+                  + (f" (verifier {intake['verifier']})" if intake.get("verifier") else ""))
+        for note in intake.get("notes", []):
+            print(f"  note: {note}")
     return 0

@@ -32,10 +32,12 @@ def _remote_code_hints(obj, path="", depth=0):
             yield from _remote_code_hints(v, f"{path}[{i}]", depth + 1)
 
 
-def check_contents(run: Extraction, method, target):
+def check_contents(run: Extraction, method, target, rules_config: dict | None = None):
     """Check the extracted files for ``method`` (a worker.methods ``Method``) against the
-    target's facts; the problems go to ``run``. Returns (config.json's object or None,
-    parameter count: elements of floating-point tensors, tensor count)."""
+    target's facts; the problems go to ``run``. ``rules_config``: what the method's rules
+    read instead of config.json (a published format's flat view, worker/checkpoint/formats.py).
+    Returns (config.json's object or None, parameter count: elements of floating-point
+    tensors, tensor count)."""
     entries = {e.name: e for e in run.entries}
     tensors: dict[str, tuple[str, list[int]]] = {}
     tensor_file: dict[str, str] = {}
@@ -117,7 +119,8 @@ def check_contents(run: Extraction, method, target):
         config = None
     else:
         e = entries["config.json"]
-        method.check_config(config, target, tensors, adder(e))
+        method.check_config(config if rules_config is None else rules_config, target,
+                            tensors, adder(e))
     return config, params, len(tensors)
 
 

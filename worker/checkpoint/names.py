@@ -1,9 +1,10 @@
 """Name rules for uploaded files and archive members: which names are safe (relative, no
 '..', no control characters, not too deep or long), which are operating-system junk to
-ignore, which are archives, and which extensions are accepted (and why the others are
-not)."""
+ignore, which files of published checkpoints are dropped with a note or converted, which
+are archives, and which extensions are accepted (and why the others are not)."""
 from __future__ import annotations
 
+import fnmatch
 import re
 
 from worker.safetensors_header import CONVERT_HINT
@@ -15,6 +16,20 @@ CODE_EXTENSIONS = (".py", ".pyc", ".pyo", ".so", ".dll", ".dylib", ".sh", ".ipyn
 NESTED_ARCHIVE_EXTENSIONS = (".zip", ".tar", ".gz", ".tgz", ".bz2", ".xz", ".7z", ".rar", ".zst")
 JUNK_DIRS = ("__MACOSX",)
 JUNK_FILES = (".DS_Store", "Thumbs.db", "desktop.ini")
+# Files that published checkpoints carry beside the weights and that vLLM never reads
+# (model cards, git attributes, training state, tokenizer copies: the target's tokenizer is
+# used): dropped with a note, never opened. Matched on the base name.
+EXTRA_FILES = ("*.md", ".gitattributes", ".gitignore", "LICENSE", "LICENSE.*", "NOTICE",
+               "training_state.pt", "optimizer.pt", "optimizer.bin", "scheduler.pt",
+               "scaler.pt", "rng_state*.pth", "training_args.bin", "trainer_state.json",
+               "tokenizer.model", "vocab.txt", "merges.txt", "*.png", "*.jpg")
+# Pickled weights of published formats (SafeAILab EAGLE's pytorch_model.bin, its shards, and
+# FasterDecoding Medusa's medusa_lm_head.pt): kept to be converted to safetensors in a
+# sandboxed child (worker/checkpoint/convert.py); every other pickle is refused unopened.
+CONVERTIBLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model-*-of-*.bin", "medusa_lm_head.pt")
+# Python files, kept aside and never run: a speculators checkpoint ships its config class
+# as code (dropped with a note, worker/checkpoint/formats.py); anywhere else, refused.
+HELD_CODE = ("*.py",)
 MAX_NAME_CHARS = 255
 MAX_NAME_DEPTH = 16
 
@@ -47,6 +62,23 @@ def is_junk(name: str) -> bool:
     return (any(p in JUNK_DIRS for p in parts) or base in JUNK_FILES or base.startswith("._"))
 
 
+def _matches(name: str, patterns) -> bool:
+    base = name.rsplit("/", 1)[-1]
+    return any(fnmatch.fnmatchcase(base, p) for p in patterns)
+
+
+def is_extra(name: str) -> bool:
+    return _matches(name, EXTRA_FILES)
+
+
+def is_convertible_weights(name: str) -> bool:
+    return _matches(name, CONVERTIBLE_WEIGHTS)
+
+
+def is_held_code(name: str) -> bool:
+    return _matches(name, HELD_CODE)
+
+
 def archive_kind(name: str) -> str | None:
     lower = name.lower()
     if lower.endswith(".zip"):
@@ -60,13 +92,14 @@ def extension_problem(name: str) -> str | None:
     """Why a file of this name is refused by its extension, or None if it is accepted."""
     lower = name.lower()
     base = lower.rsplit("/", 1)[-1]
-    if lower.endswith(ALLOWED_EXTENSIONS):
+    if lower.endswith(ALLOWED_EXTENSIONS) or is_convertible_weights(name):
         return None
     ext = "." + base.rsplit(".", 1)[-1] if "." in base else "(none)"
     if lower.endswith(PICKLE_EXTENSIONS):
         return (f"{ext} files are pickles, which can run arbitrary code when loaded; they "
-                f"are refused and never opened. {CONVERT_HINT}")
-    if lower.endswith(CODE_EXTENSIONS):
+                "are refused and never opened (only published weight files named "
+                f"{', '.join(CONVERTIBLE_WEIGHTS)} are converted). {CONVERT_HINT}")
+    if lower.endswith(CODE_EXTENSIONS) or is_held_code(name):
         return (f"{ext} is code: remote code (trust_remote_code) is not accepted; a drafter "
                 "must use an architecture that vLLM has built in. Remove the file")
     if lower.endswith(".gguf"):

@@ -7,7 +7,9 @@ import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable, NamedTuple
+from typing import Any, BinaryIO, Mapping, NamedTuple
+
+from worker.protocol import canonical_json
 
 
 class Upload(NamedTuple):
@@ -22,6 +24,7 @@ class TargetFacts:
     vocab_size: int
     hidden_size: int
     num_layers: int
+    name: str = ""   # the target's model name, compared with a verifier a drafter names
 
     @classmethod
     def from_config(cls, folder_or_file) -> "TargetFacts":
@@ -101,6 +104,8 @@ class ValidatedCheckpoint:
     tensor_count: int
     ignored: list[str] = field(default_factory=list)
     temp_dir: Path | None = None
+    # The published format and what intake did to it (worker/checkpoint/formats.py Intake).
+    intake: dict = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -125,9 +130,15 @@ class ValidatedCheckpoint:
         self.cleanup()
 
 
-def content_sha256(pairs: Iterable[tuple[str, str]]) -> str:
-    """sha256 over sorted (relative name, file sha256) pairs."""
+def content_sha256(tensors: Mapping[str, tuple[str, list[int], str]],
+                   config: dict | None) -> str:
+    """The identity of a checkpoint: sha256 over what vLLM loads, each tensor's name, dtype,
+    shape and bytes (sorted by name: ``tensor_digests``), and config.json as canonical JSON.
+    File names, shards, safetensors metadata and JSON formatting do not count, so a
+    reformatted or re-sharded copy of a drafter is the same drafter."""
     h = hashlib.sha256()
-    for name, digest in sorted(pairs):
-        h.update(name.encode("utf-8") + b"\0" + digest.encode("ascii") + b"\n")
+    for name in sorted(tensors):
+        dtype, shape, digest = tensors[name]
+        h.update(json.dumps([name, dtype, list(shape), digest]).encode() + b"\n")
+    h.update(b"config\0" + canonical_json(config).encode())
     return h.hexdigest()

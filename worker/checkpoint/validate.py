@@ -8,9 +8,11 @@ from typing import Iterable, Mapping
 
 from worker import methods
 from worker.checkpoint.archives import DEFAULT_MAX_FILES, Extraction
+from worker.checkpoint.formats import Intake, prepare
 from worker.checkpoint.contents import check_contents
 from worker.checkpoint.results import (CheckpointFile, CheckpointRejected, Problem, TargetFacts,
                                        Upload, ValidatedCheckpoint, content_sha256)
+from worker.safetensors_header import tensor_digests
 from worker.safetensors_header import is_int
 
 
@@ -37,7 +39,7 @@ def validate_checkpoint(uploads: Iterable, method: str, target, *, max_total_byt
             raise CheckpointRejected([Problem(u.name, "method", f"the {method} method takes no "
                                               "files (it has parameters only): remove the file")
                                       for u in uploads])
-        return ValidatedCheckpoint(method, [], content_sha256([]), None, 0, 0)
+        return ValidatedCheckpoint(method, [], content_sha256({}, None), None, 0, 0)
     if not uploads:
         raise CheckpointRejected([Problem("(upload)", "files", f"a {method} drafter needs "
                                           "files: config.json and .safetensors weights")])
@@ -46,8 +48,11 @@ def validate_checkpoint(uploads: Iterable, method: str, target, *, max_total_byt
     try:
         run.collect(uploads)
         config, params, count = (None, 0, 0)
+        intake = Intake()
         if not run.aborted:
-            config, params, count = check_contents(run, methods.get(method), target)
+            intake = prepare(run, methods.get(method), target)
+            config, params, count = check_contents(run, methods.get(method), target,
+                                                   intake.rules_config)
         if run.problems:
             raise CheckpointRejected(run.problems)
         files = [CheckpointFile(e.name, e.size, e.sha256, e.path, e.source, e.member)
@@ -57,12 +62,22 @@ def validate_checkpoint(uploads: Iterable, method: str, target, *, max_total_byt
             archive_copy.unlink()
         return ValidatedCheckpoint(
             method=method, files=files,
-            content_sha256=content_sha256((f.name, f.sha256) for f in files),
+            content_sha256=checkpoint_content_sha256(
+                (f.path for f in files if f.name.endswith(".safetensors")), config),
             config=config, parameter_count=params, tensor_count=count,
-            ignored=sorted(run.ignored), temp_dir=run.tmp)
+            ignored=sorted(run.ignored), temp_dir=run.tmp, intake=intake.as_dict())
     except BaseException:
         shutil.rmtree(run.tmp, ignore_errors=True)
         raise
+
+
+def checkpoint_content_sha256(weights: Iterable[os.PathLike], config: dict | None) -> str:
+    """``content_sha256`` of a checkpoint: the tensors of its checked ``.safetensors`` files
+    and config.json's object."""
+    tensors = {}
+    for path in weights:
+        tensors.update(tensor_digests(path))
+    return content_sha256(tensors, config)
 
 
 def validate_method_params(method: str, params: Mapping, allowed_ks: Iterable[int]) -> dict:
