@@ -8,11 +8,13 @@ file (Django's TemporaryFileUploadHandler), through validation in chunks and int
 storage, so a 2 GiB upload peaks where a 200 MiB one does.
 
     .venv/bin/python bench/upload_memory.py [--sizes-mib 200,2048] [--formats safetensors,bin]
+    .venv/bin/python bench/upload_memory.py --hostile
 
 ``--formats``: each size is sent as ``model.safetensors`` and, with ``bin``, as the same
 tensors pickled into ``pytorch_model.bin`` (SafeAILab's layout), which the site converts to
 safetensors in a sandboxed child (worker/checkpoint/convert.py): the web worker's own peak
-must not grow with it either.
+must not grow with it either. ``--hostile``: the uploads that cost a web worker hundreds of
+MiB when it parsed uploads itself, sent to one server; its peak growth over the whole set.
 
 The checkpoint is a one-layer Llama draft model for a tiny target (vocab 64, hidden 16)
 whose MLP is made as wide as the size asks; its weights are zeros, written and sent in
@@ -153,8 +155,12 @@ def upload(port, token, files) -> tuple[int, str, float]:
     return response.status, body, time.monotonic() - t0
 
 
-def measure(size_mib: int, work: Path, fmt: str = "safetensors") -> dict:
-    var = work / f"var-{size_mib}-{fmt}"
+def serve_and_upload(work: Path, label: str, port: int, uploads: list, warmup=()) -> dict:
+    """A fresh site under gunicorn (one sync worker, its own SQLite database); each item of
+    ``uploads`` (a list of files) sent as one request; the worker's peak RSS before and
+    after all of them (``warmup`` uploads are sent before "before": the first request
+    imports the site's modules, about 200 MiB that any request costs once)."""
+    var = work / f"var-{label}"
     env = {**os.environ, "SPECBOARD_VAR_DIR": str(var), "DEBUG": "0",
            "DATABASE_URL": f"sqlite:///{var / 'db.sqlite3'}",
            "SPECBOARD_MAX_UPLOAD_BYTES": str(4 << 30), "SPECBOARD_SUBMISSIONS_PER_DAY": "0",
@@ -162,10 +168,6 @@ def measure(size_mib: int, work: Path, fmt: str = "safetensors") -> dict:
     var.mkdir(parents=True)
     manage(env, "migrate", "--noinput")
     token = manage(env, "shell", "-c", SETUP).split("TOKEN", 1)[1].strip()
-    ckpt = work / f"ckpt-{size_mib}-{fmt}"
-    ckpt.mkdir()
-    files = (write_pickled if fmt == "bin" else write_checkpoint)(ckpt, size_mib << 20)
-    port = 18500 + size_mib % 400 + (1 if fmt == "bin" else 0)
     server = subprocess.Popen([sys.executable, "-m", "gunicorn", "leaderboard.wsgi", "-b",
                                f"127.0.0.1:{port}", "-w", "1", "--timeout", "3600"],
                               cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
@@ -179,15 +181,68 @@ def measure(size_mib: int, work: Path, fmt: str = "safetensors") -> dict:
                 time.sleep(0.3)
         worker = int(subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True,
                                     text=True).stdout.split()[0])
+        for files in warmup:
+            upload(port, token, files)
         before = peak_rss_kib(worker)
-        status, body, seconds = upload(port, token, files)
+        answers = [upload(port, token, files) for files in uploads]
         peak = peak_rss_kib(worker)
     finally:
         server.terminate()
         server.wait(timeout=30)
+    return {"answers": answers, "peak_before_mib": before / 1024, "peak_mib": peak / 1024}
+
+
+def measure(size_mib: int, work: Path, fmt: str = "safetensors") -> dict:
+    ckpt = work / f"ckpt-{size_mib}-{fmt}"
+    ckpt.mkdir()
+    files = (write_pickled if fmt == "bin" else write_checkpoint)(ckpt, size_mib << 20)
+    port = 18500 + size_mib % 400 + (1 if fmt == "bin" else 0)
+    served = serve_and_upload(work, f"{size_mib}-{fmt}", port, [files])
+    status, body, seconds = served["answers"][0]
     return {"size_mib": size_mib, "format": fmt, "bytes": sum(p.stat().st_size for p in files),
-            "status": status, "seconds": seconds, "peak_before_mib": before / 1024,
-            "peak_mib": peak / 1024, "body": body[:300]}
+            "status": status, "seconds": seconds, "peak_before_mib": served["peak_before_mib"],
+            "peak_mib": served["peak_mib"], "body": body[:300]}
+
+
+def hostile_set(folder: Path) -> list[tuple[str, Path]]:
+    """The uploads that cost a web worker hundreds of MiB when it parsed them itself
+    (issue #31): four small zips each holding an 8 MiB JSON array as config.json, and a
+    .tar.gz whose one member carries a 256 MiB pax extended header."""
+    import tarfile
+    import zipfile
+
+    out = []
+    for i in range(4):
+        path = folder / f"array-{i}.zip"
+        with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+            zf.writestr("config.json", b"[" + b"0.5," * (2 << 20) + b"0]")
+        out.append(("8 MiB JSON array in a zip", path))
+    path = folder / "pax.tar.gz"
+    with tarfile.open(path, "w:gz", format=tarfile.PAX_FORMAT) as tf:
+        info = tarfile.TarInfo("config.json")
+        info.pax_headers = {"comment": "x" * (256 << 20)}
+        data = b"{}"
+        info.size = len(data)
+        import io
+        tf.addfile(info, io.BytesIO(data))
+    out.append(("256 MiB pax header in a .tar.gz", path))
+    return out
+
+
+def measure_hostile(work: Path) -> None:
+    folder = work / "hostile"
+    folder.mkdir()
+    cases = hostile_set(folder)
+    warm = folder / "notes.txt"
+    warm.write_text("not a checkpoint\n")
+    served = serve_and_upload(work, "hostile", 18990, [[path] for _, path in cases],
+                              warmup=[[warm]])
+    print("\nhostile upload | file size | status | seconds   (after one refused warm-up upload)")
+    for (what, path), (status, body, seconds) in zip(cases, served["answers"]):
+        print(f"{what:32} | {path.stat().st_size / 1024:7.0f} KiB | {status} | {seconds:6.1f}")
+    growth = served["peak_mib"] - served["peak_before_mib"]
+    print(f"web worker peak RSS over the whole set: {served['peak_before_mib']:.0f} MiB -> "
+          f"{served['peak_mib']:.0f} MiB (+{growth:.0f} MiB; goal: at most +50 MiB)")
 
 
 def main():
@@ -196,7 +251,13 @@ def main():
     parser.add_argument("--formats", default="safetensors",
                         help="safetensors and/or bin (pytorch_model.bin, converted by the site)")
     parser.add_argument("--work", default=None, help="folder for the files (default: a temp dir)")
+    parser.add_argument("--hostile", action="store_true",
+                        help="send the hostile set instead (JSON-array zips, a huge pax header)")
     args = parser.parse_args()
+    if args.hostile:
+        with tempfile.TemporaryDirectory(dir=args.work, prefix="specboard-upload-") as work:
+            measure_hostile(Path(work))
+        return
     sizes = [int(s) for s in args.sizes_mib.split(",")]
     formats = [f for f in args.formats.split(",") if f]
     with tempfile.TemporaryDirectory(dir=args.work, prefix="specboard-upload-") as work:

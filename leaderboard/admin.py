@@ -1,7 +1,7 @@
 from django.contrib import admin
 
-from .models import (ApiToken, Drafter, DrafterFile, Prompt, PromptSet, Protocol, Result, Run,
-                     Target, TrainingDataset)
+from .models import (ApiToken, Drafter, DrafterFile, Prompt, PromptSet, Protocol,
+                     RefusedSubmission, Result, Run, Target, TrainingDataset)
 
 
 @admin.register(Target)
@@ -87,3 +87,11 @@ class TrainingDatasetAdmin(admin.ModelAdmin):
     list_display = ("slug", "version", "target", "n", "tokens", "source", "sha256", "created_at")
     search_fields = ("slug", "sha256")
     readonly_fields = ("sha256", "path", "params")
+
+
+@admin.register(RefusedSubmission)
+class RefusedSubmissionAdmin(admin.ModelAdmin):
+    """Uploads the checks refused (they count toward the owner's daily limit)."""
+    list_display = ("name", "method", "owner", "protocol", "created_at")
+    search_fields = ("name", "owner__username")
+    readonly_fields = ("owner", "protocol", "method", "name", "problems", "created_at")

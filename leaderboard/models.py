@@ -231,6 +231,26 @@ class Drafter(models.Model):
         return self.name
 
 
+class RefusedSubmission(models.Model):
+    """An upload the checks refused: nothing of it is stored but this line, which counts
+    toward its owner's daily limit (SPECBOARD_SUBMISSIONS_PER_DAY) and tells staff what was
+    tried."""
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE,
+                              related_name="refused_submissions")
+    protocol = models.ForeignKey("Protocol", null=True, on_delete=models.SET_NULL,
+                                 related_name="+")
+    method = models.CharField(max_length=20)
+    name = models.CharField(max_length=200)
+    problems = models.JSONField(default=list)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self):
+        return f"{self.name} ({self.method}), refused {self.created_at:%Y-%m-%d %H:%M}"
+
+
 class TrainingDataset(models.Model):
     """Conversations written by a target, shared by every training recipe; versioned and
     hashed like a prompt set. ``path`` is the JSON-lines file's name in the storage."""

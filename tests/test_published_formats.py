@@ -216,3 +216,67 @@ def test_a_safeailab_upload_is_stored_converted_and_says_so(client, tmp_path, me
         protocol, method="eagle3", name="same eagle3", files=_site_uploads(again)))
     assert response.status_code == 400 and "rejected" in response.content.decode()
     assert Drafter.objects.count() == 1
+
+
+# ------------------------------------------------------------------------------------
+# the checks run in a child under limits, and a refused upload counts
+
+
+def json_array_zip(path, mib=8):
+    """A small zip whose config.json is a JSON array of ``mib`` MiB of floats: parsing it
+    costs about 10 times that (the issue's 8 KiB zip of an 8 MiB array cost a web worker
+    +190 MiB)."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("config.json", b"[" + b"0.5," * (mib << 18) + b"0]")
+    return path
+
+
+def test_a_hostile_upload_is_parsed_by_the_child_inside_its_limits(tmp_path, work):
+    from worker.checkpoint import CheckpointRejected, Upload
+    from worker.checkpoint.sandboxed import validate_in_sandbox
+
+    bomb = json_array_zip(tmp_path / "drafter.zip", mib=48)  # under the 64 MiB JSON cap
+    assert bomb.stat().st_size < 256 << 10
+    with pytest.raises(CheckpointRejected) as info:
+        validate_in_sandbox([Upload(bomb.name, bomb, bomb.stat().st_size)], "eagle3", TINY,
+                            max_total_bytes=1 << 30, tmp_root=work,
+                            limits=Limits(address_space=384 << 20))
+    assert "needed more than the 0.375 GiB of memory allowed" in str(info.value)
+    assert list(work.iterdir()) == []
+    # With room to parse it, the same upload is refused for what it is, by the same rules.
+    with pytest.raises(CheckpointRejected) as info:
+        validate_in_sandbox([Upload(bomb.name, bomb, bomb.stat().st_size)], "eagle3", TINY,
+                            max_total_bytes=1 << 30, tmp_root=work)
+    find(info.value.problems, field="config.json", text="must be a JSON object")
+    assert list(work.iterdir()) == []
+
+
+@pytest.mark.django_db
+def test_a_refused_upload_counts_toward_the_daily_limit(tmp_path, settings):
+    from django.contrib.auth.models import User
+
+    from leaderboard.models import Drafter, RefusedSubmission
+    from leaderboard.services import submissions
+    from worker.checkpoint import Upload
+
+    from . import factories as f
+
+    settings.SPECBOARD_SUBMISSIONS_PER_DAY = 2
+    user = User.objects.create_user("repeater")
+    target = f.make_target(vocab_size=64, hidden_size=16, num_layers=4)
+    protocol = f.make_protocol(target, hardware="formats-test", ks=(2,))
+    bomb = json_array_zip(tmp_path / "drafter.zip", mib=1)
+    for _ in range(2):
+        with pytest.raises(submissions.SubmissionRefused) as info:
+            submissions.submit_drafter(owner=user, protocol=protocol, method="eagle3",
+                                       name="bomb", uploads=[Upload(bomb.name, bomb, None)])
+        find(info.value.problems, field="config.json", text="JSON object")
+    assert RefusedSubmission.objects.filter(owner=user).count() == 2
+    with pytest.raises(submissions.SubmissionRefused) as info:
+        submissions.submit_drafter(owner=user, protocol=protocol, method="eagle3",
+                                   name="bomb", uploads=[Upload(bomb.name, bomb, None)])
+    assert info.value.problems[0].field == "rate limit"
+    assert "refused uploads included" in info.value.problems[0].message
+    assert not Drafter.objects.exists()

@@ -21,12 +21,12 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.text import slugify
 
-from worker.checkpoint import (CheckpointRejected, Problem, TargetFacts, validate_checkpoint,
-                               validate_method_params)
+from worker.checkpoint import CheckpointRejected, Problem, TargetFacts, validate_method_params
+from worker.checkpoint.sandboxed import validate_in_sandbox
 from worker.protocol import canonical_json
 
 from . import runs
-from ..models import Drafter, DrafterFile, Protocol, Run
+from ..models import Drafter, DrafterFile, Protocol, RefusedSubmission, Run
 
 EDITABLE_FIELDS = ("name", "description", "link", "licence", "claimed_acceptance_length",
                    "claimed_speedup", "claimed_source")
@@ -47,18 +47,25 @@ class SubmissionRefused(Exception):
 
 
 def check_rate_limit(user):
+    """Drafters stored and uploads refused both count: a refused upload cost the checks as
+    much as an accepted one."""
     limit = settings.SPECBOARD_SUBMISSIONS_PER_DAY
     if not limit or user.is_staff:
         return
     since = timezone.now() - timedelta(days=1)
     recent = Drafter.objects.filter(owner=user, created_at__gte=since)
-    n = recent.count()
+    refused = RefusedSubmission.objects.filter(owner=user, created_at__gte=since)
+    n = recent.count() + refused.count()
     if n >= limit:
-        oldest = recent.order_by("created_at").values_list("created_at", flat=True).first()
+        oldest = min(t for t in (
+            recent.order_by("created_at").values_list("created_at", flat=True).first(),
+            refused.order_by("created_at").values_list("created_at", flat=True).first())
+            if t is not None)
         wait = max(int((oldest + timedelta(days=1) - timezone.now()).total_seconds() // 60), 1)
         raise SubmissionRefused([Problem(
             "(submission)", "rate limit",
-            f"you have submitted {n} drafters in the last 24 hours, the limit is {limit} "
+            f"you have submitted {n} drafters in the last 24 hours (refused uploads "
+            f"included), the limit is {limit} "
             f"(SPECBOARD_SUBMISSIONS_PER_DAY): try again in {wait} minutes")])
 
 
@@ -161,9 +168,13 @@ def submit_drafter(*, owner, protocol: Protocol, method: str, name: str, uploads
         check_rate_limit(owner)
     params = check_params(method, params or {}, protocol)
     try:
-        ckpt = validate_checkpoint(list(uploads), method, target_facts(protocol),
+        # In a child under hard limits: the upload is never parsed by this (web) process.
+        ckpt = validate_in_sandbox(list(uploads), method, target_facts(protocol),
                                    max_total_bytes=settings.SPECBOARD_MAX_UPLOAD_BYTES)
     except CheckpointRejected as e:
+        if owner is not None:
+            RefusedSubmission.objects.create(owner=owner, protocol=protocol, method=method,
+                                             name=name[:200], problems=e.as_dicts())
         raise SubmissionRefused(e.problems) from None
     stored = []
     try:
