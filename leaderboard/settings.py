@@ -238,6 +238,9 @@ SPECBOARD_MAX_UPLOAD_BYTES = env_int("SPECBOARD_MAX_UPLOAD_BYTES", 20 * 1024 ** 
 # (leaderboard/middleware.py); Django's own DATA_UPLOAD_MAX_MEMORY_SIZE leaves a multipart
 # body's files unbounded, spooled to a temporary file.
 SPECBOARD_MAX_REQUEST_BYTES = env_int("SPECBOARD_MAX_REQUEST_BYTES", 1024 ** 2)
+# The model hub's token for gated or private drafters submitted by reference (worker/hub.py;
+# the hub itself is HF_ENDPOINT, read by huggingface_hub, default huggingface.co).
+SPECBOARD_HF_TOKEN = os.environ.get("SPECBOARD_HF_TOKEN", "")
 # A sharded checkpoint may have many files (worker/checkpoint/ allows 256).
 DATA_UPLOAD_MAX_NUMBER_FILES = 300
 # The leaderboard table and the drafter page's results are cached per state of the data

@@ -67,6 +67,9 @@ class IntakeOut(Out):
                                            "was converted from")
     notes: list[str] = Field(description="what intake changed or dropped, and warnings")
     verifier: Optional[str] = Field(description="the target a speculators config names")
+    hub: Optional[dict[str, str]] = Field(description="submitted by model-hub reference: "
+                                          "repo_id, revision (as given) and commit (what is "
+                                          "measured)")
 
 
 class DrafterOut(Out):

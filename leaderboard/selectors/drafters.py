@@ -156,7 +156,8 @@ def intake_summary(intake: dict | None) -> dict:
     drafter stored before intake recorded it)."""
     intake = intake or {}
     return {"format": intake.get("format", ""), "converted_from": intake.get("converted_from", {}),
-            "notes": list(intake.get("notes", [])), "verifier": intake.get("verifier")}
+            "notes": list(intake.get("notes", [])), "verifier": intake.get("verifier"),
+            "hub": intake.get("hub")}
 
 
 def drafters_page(*, target: str | None = None, method: str | None = None,

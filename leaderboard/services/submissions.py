@@ -154,7 +154,8 @@ def submit_drafter(*, owner, protocol: Protocol, method: str, name: str, uploads
                    licence: str = "", claimed_acceptance_length: float | None = None,
                    claimed_speedup: float | None = None, claimed_source: str = "",
                    send: bool = True, extra_fields: dict | None = None,
-                   queue: bool = True) -> tuple[Drafter, Run | None]:
+                   queue: bool = True, provenance: dict | None = None
+                   ) -> tuple[Drafter, Run | None]:
     """Validate and store a drafter for `protocol`'s target and queue its run.
 
     `uploads`: (name, file object or path, size) triples (worker.checkpoint.Upload). Raises
@@ -163,7 +164,8 @@ def submit_drafter(*, owner, protocol: Protocol, method: str, name: str, uploads
     ``extra_fields``: more Drafter fields (the training provenance of a baseline drafter,
     leaderboard/services/training.py); a drafter without an owner (a site baseline) has no rate limit.
     ``queue=False`` registers the drafter without a run (None is returned for it): setup_demo
-    registers the shipped drafters so, and queues them after the n-gram run."""
+    registers the shipped drafters so, and queues them after the n-gram run.
+    ``provenance``: more of Drafter.intake (where the files came from: ``submit_from_hub``)."""
     if owner is not None:
         check_rate_limit(owner)
     params = check_params(method, params or {}, protocol)
@@ -190,7 +192,8 @@ def submit_drafter(*, owner, protocol: Protocol, method: str, name: str, uploads
             drafter = Drafter.objects.create(
                 owner=owner, slug=unique_slug(name), name=name, method=method,
                 target=protocol.target, params=params, description=description, link=link,
-                licence=licence, content_sha256=content, intake=ckpt.intake,
+                licence=licence, content_sha256=content,
+                intake={**ckpt.intake, **(provenance or {})},
                 claimed_acceptance_length=claimed_acceptance_length,
                 claimed_speedup=claimed_speedup, claimed_source=claimed_source,
                 **(extra_fields or {}))
@@ -225,6 +228,40 @@ def submit_drafter(*, owner, protocol: Protocol, method: str, name: str, uploads
     finally:
         ckpt.cleanup()
     return drafter, run
+
+
+def submit_from_hub(*, reference: str, owner, protocol: Protocol, method: str, name: str,
+                    **fields) -> tuple[Drafter, Run | None]:
+    """``submit_drafter`` for a checkpoint on the model hub, ``owner/name[@revision]``: the
+    revision is resolved to its commit, the files are judged by name and size and the
+    safetensors headers read before anything is downloaded (worker/hub.py), then only the
+    files to keep, at that commit, are fetched into a temporary folder and submitted. The
+    drafter's ``intake["hub"]`` records the repository, the revision and the commit: what is
+    measured. Long (a download): call it from a command or a worker, not a web request."""
+    import tempfile
+
+    from worker import hub
+
+    try:
+        repo_id, revision = hub.parse_reference(reference)
+    except ValueError as e:
+        raise SubmissionRefused([Problem("(hub)", "reference", str(e))]) from None
+    if owner is not None:
+        check_rate_limit(owner)
+    try:
+        found = hub.inspect(repo_id, revision, token=settings.SPECBOARD_HF_TOKEN or None,
+                            max_total_bytes=settings.SPECBOARD_MAX_UPLOAD_BYTES)
+        with tempfile.TemporaryDirectory(prefix="specboard-hub-") as folder:
+            uploads = hub.download(found, folder)
+            return submit_drafter(
+                owner=owner, protocol=protocol, method=method, name=name, uploads=uploads,
+                provenance={"hub": {"repo_id": found.repo_id, "revision": found.revision,
+                                    "commit": found.commit}}, **fields)
+    except CheckpointRejected as e:
+        raise SubmissionRefused(e.problems) from None
+    except hub.HubError as e:
+        raise SubmissionRefused([Problem("(hub)", "hub", f"{e}: nothing was stored; try "
+                                         "again later")]) from None
 
 
 def update_drafter(drafter: Drafter, **changes) -> Drafter:
