@@ -57,13 +57,16 @@ def request_too_large_message(length: int) -> str | None:
             "bytes (SPECBOARD_MAX_REQUEST_BYTES; uploads have SPECBOARD_MAX_UPLOAD_BYTES)")
 
 
+NUL_MESSAGE = "the address holds a NUL byte (%00), which no parameter of this site accepts"
+
 NO_LENGTH_MESSAGE = ("the request body has no Content-Length header: send it with one "
                      "(chunked request bodies are not accepted)")
 
 
 class UploadGuardMiddleware:
-    """Every request: 413 over its body limit, 411 without a Content-Length; POST /submit/:
-    429 over the submission rate limit. The body is never read."""
+    """Every request: 413 over its body limit, 411 without a Content-Length; a page: 400
+    with a NUL byte in its address; POST /submit/: 429 over the submission rate limit. The body is
+    never read."""
 
     def __init__(self, get_response):
         self.get_response = get_response
@@ -77,6 +80,12 @@ class UploadGuardMiddleware:
         api = request.path.startswith(reverse("api:api-root"))
         if "HTTP_TRANSFER_ENCODING" in request.META:
             return self.refused(request, 411, NO_LENGTH_MESSAGE, api, "(request)")
+        if not api and ("\x00" in request.path or any(
+                "\x00" in key or "\x00" in value
+                for key, values in request.GET.lists() for value in values)):
+            # No page parameter holds a NUL, and PostgreSQL refuses it in any query. (The
+            # API's own schema refuses it with a 422 naming the parameter.)
+            return self.refused(request, 400, NUL_MESSAGE, api, "(request)")
         length = content_length(request)
         if upload:
             message = upload_too_large_message(length)

@@ -136,7 +136,8 @@ def parse_prompt_file(path, fmt: str) -> ParsedPromptFile:
 def sort_key(external_id: str):
     """Numeric ids sort as numbers, others (HumanEval/12) by their numeric tail."""
     tail = external_id.rsplit("/", 1)[-1]
-    return (0, int(tail), external_id) if tail.isdigit() else (1, 0, external_id)
+    number = tail.isascii() and tail.isdigit()   # "²".isdigit() is true, int("²") fails
+    return (0, int(tail), external_id) if number else (1, 0, external_id)
 
 
 def select_task_prompts(prompts, categories, n: int, selection: str = "first") -> list:

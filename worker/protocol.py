@@ -218,5 +218,11 @@ def cell_key(row) -> tuple:
     return Cell.of(row).key
 
 
+def parse_version(text: str) -> int | None:
+    """A version written in ASCII digits ("3"), else None: ``str.isdigit()`` also accepts
+    "²" and other digits that ``int()`` refuses (a 500 on ``?protocol=demo@²``)."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 9 else None
+
+
 def canonical_json(data) -> str:
     return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)

@@ -9,6 +9,7 @@ from django.db.models import Count, Exists, OuterRef, Q
 
 import worker.protocol
 from worker import metrics
+from worker.protocol import parse_version
 
 from worker import intervals
 
@@ -35,9 +36,9 @@ def get_protocol(ref: str | None = None, target_slug: str | None = None) -> Prot
         slug, _, version = ref.partition("@")
         qs = qs.filter(slug=slug)
         if version:
-            if not version.isdigit():
+            if parse_version(version) is None:
                 return None
-            qs = qs.filter(version=int(version))
+            qs = qs.filter(version=parse_version(version))
         return qs.order_by("-version").first()
     return (protocols_with_results(target_slug).first()
             or (qs.filter(target__slug=target_slug) if target_slug else qs)

@@ -22,6 +22,7 @@ from django.utils.text import slugify
 
 from worker.checkpoint import Upload
 from worker.prompts import file_sha256
+from worker.protocol import parse_version
 
 from ..models import Drafter, Prompt, Protocol, Target, TrainingDataset
 from ..selectors.shapes import heldout_of
@@ -50,9 +51,9 @@ def find_dataset(spec: str) -> TrainingDataset:
     slug, _, version = spec.partition("@")
     qs = TrainingDataset.objects.filter(slug=slug)
     if version:
-        if not version.isdigit():
+        if parse_version(version) is None:
             raise ServiceError(f"bad dataset version {version!r} in {spec!r}: use SLUG@N")
-        qs = qs.filter(version=int(version))
+        qs = qs.filter(version=parse_version(version))
     row = qs.order_by("-version").first()
     if row is None:
         known = ", ".join(sorted(set(TrainingDataset.objects.values_list("slug", flat=True))))
@@ -72,7 +73,8 @@ def find_protocol(spec: str | None, target: Target) -> Protocol:
     slug, _, version = spec.partition("@")
     qs = Protocol.objects.filter(slug=slug)
     if version:
-        qs = qs.filter(version=int(version)) if version.isdigit() else qs.none()
+        number = parse_version(version)
+        qs = qs.filter(version=number) if number is not None else qs.none()
     protocol = qs.order_by("-version").first()
     if protocol is None:
         raise ServiceError(f"no protocol {spec!r}")

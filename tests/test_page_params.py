@@ -1,0 +1,67 @@
+"""Every page's query parameters, fuzzed (issue #32, item 6): whatever a client puts in a
+known parameter (superscript digits, NUL bytes, huge numbers, other scripts), a page
+answers below 500. The API has its own generated-request test (tests/test_api.py)."""
+import pytest
+from django.test import Client
+from django.urls import reverse
+from hypothesis import HealthCheck, given, settings as hsettings
+from hypothesis import strategies as st
+
+from . import factories as f
+
+pytestmark = pytest.mark.django_db
+
+# The parameters each page reads (leaderboard/views.py, request.GET).
+PAGES = {
+    "home": ("protocol", "target", "task", "temperature", "k", "method", "batch_size", "sort",
+             "dir", "page"),
+    "compare": ("protocol", "d", "temperature", "k", "task"),
+    "recipes": ("protocol", "temperature"),
+    "queue": ("hardware",),
+    "queue_progress": ("ids",),
+    "protocols": ("protocol",),
+}
+# Values that broke a page once, and the shapes a fuzzer reaches late.
+NASTY = ["demo@²", "pages@²", "pages@1", "pages@99999999999999999999", "²", "٣", "1e309",
+         "nan", "-1", "0", "\x00", "a\x00b", "x" * 5000, "pages@", "@", "../../etc/passwd"]
+
+
+@pytest.fixture(autouse=True)
+def no_page_cache(settings):
+    settings.SPECBOARD_PAGE_CACHE_SECONDS = 0
+
+
+@pytest.fixture
+def board():
+    protocol = f.make_protocol(f.make_target())
+    f.seed_board(protocol, 2)
+    return protocol
+
+
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_known_bad_values_never_make_a_page_fail(board, page):
+    client = Client()
+    for param in PAGES[page]:
+        for value in NASTY:
+            response = client.get(reverse(page), {param: value})
+            assert response.status_code < 500, (page, param, value)
+
+
+@pytest.mark.parametrize("page", sorted(PAGES))
+@hsettings(max_examples=40, deadline=None,
+           suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_values_never_make_a_page_fail(board, page, data):
+    params = {p: data.draw(st.text(max_size=40), label=p)
+              for p in data.draw(st.lists(st.sampled_from(PAGES[page]), min_size=1,
+                                          unique=True), label="params")}
+    response = Client().get(reverse(page), params)
+    assert response.status_code < 500, (page, params)
+
+
+def test_a_nul_byte_in_a_page_address_is_a_400_before_any_query(board):
+    client = Client()
+    for url in ("/?protocol=pages%00", "/queue/?hardware=%00", "/compare/?d=a&d=%00b"):
+        response = client.get(url)
+        assert response.status_code == 400, url
+        assert "NUL" in response.content.decode()
