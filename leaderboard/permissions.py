@@ -19,9 +19,14 @@ def is_owner_or_staff(user, owner_id: int | None) -> bool:
 REJECTED = "rejected"
 
 
+def sees_rejected(user) -> bool:
+    """Whether lists (the queue, runs, progress) include rejected drafters for `user`."""
+    return user.is_authenticated and user.is_staff
+
+
 def can_see(user, review_state: str | None) -> bool:
     """Whether `user` may see a drafter in this review state (None: a baseline run)."""
-    return review_state != REJECTED or (user.is_authenticated and user.is_staff)
+    return review_state != REJECTED or sees_rejected(user)
 
 
 def can_manage(user, owner_id: int | None, review_state: str | None) -> bool:

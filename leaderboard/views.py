@@ -263,7 +263,9 @@ def drafter_detail(request, slug):
     active = [r["id"] for r in (page["run"], page["remeasuring"])
               if r and r["state"] in (Run.QUEUED, Run.RUNNING)]
     return render(request, "leaderboard/drafter.html", {
-        "measuring": run_reads.active_runs(run_ids=active) if active else [],
+        "measuring": run_reads.active_runs(
+            run_ids=active, show_rejected=permissions.sees_rejected(request.user))
+        if active else [],
         "page": fragment.get("page", page), "d": page["drafter"],
         "results_html": fragment["html"], "can_manage": manage,
         "has_charts": fragment["meta_has_charts"],
@@ -273,6 +275,8 @@ def drafter_detail(request, slug):
 @login_required
 def drafter_edit(request, slug):
     drafter = get_object_or_404(Drafter, slug=slug)
+    if not permissions.can_see(request.user, drafter.review_state):
+        raise Http404("no such drafter")   # a 403 would confirm that it exists
     if not permissions.can_manage_drafter(request.user, drafter):
         raise PermissionDenied("only the owner or staff may edit this drafter")
     form = DrafterEditForm(request.POST or None, instance=drafter)
@@ -287,6 +291,8 @@ def drafter_edit(request, slug):
 @require_POST
 def drafter_withdraw(request, slug):
     drafter = get_object_or_404(Drafter, slug=slug)
+    if not permissions.can_see(request.user, drafter.review_state):
+        raise Http404("no such drafter")
     if not permissions.can_manage_drafter(request.user, drafter):
         raise PermissionDenied("only the owner or staff may withdraw this drafter")
     n = submissions.withdraw_drafter(drafter)
@@ -331,7 +337,8 @@ def submit(request):
 @require_GET
 def queue(request):
     hardware = request.GET.get("hardware") or None
-    data = run_reads.queue(hardware=hardware)
+    data = run_reads.queue(hardware=hardware,
+                           show_rejected=permissions.sees_rejected(request.user))
     user = request.user
     for r in data["active"] + data["finished"]:
         r["can_cancel"] = (r["state"] in (Run.QUEUED, Run.RUNNING)
@@ -348,7 +355,8 @@ MAX_ID = 2 ** 63 - 1
 def queue_progress(request):
     ids = [i for i in (_int(v, None) for v in request.GET.get("ids", "").split(",")[:200])
            if i is not None and 0 < i <= MAX_ID]
-    return JsonResponse({"runs": run_reads.run_progress(ids)})
+    return JsonResponse({"runs": run_reads.run_progress(
+        ids, show_rejected=permissions.sees_rejected(request.user))})
 
 
 @login_required

@@ -252,8 +252,8 @@ def withdraw(request, slug: str = DRAFTER_SLUG):
     """Hides the drafter from the leaderboard and the results, and cancels its
     unfinished runs."""
     drafter = Drafter.objects.filter(slug=slug).first()
-    if drafter is None:
-        raise not_found("slug", f"no drafter {slug!r}")
+    if drafter is None or not permissions.can_see(request.auth, drafter.review_state):
+        raise not_found("slug", f"no drafter {slug!r}")   # a 403 would confirm it exists
     if not permissions.can_manage_drafter(request.auth, drafter):
         raise not_manager()
     n = submissions.withdraw_drafter(drafter)

@@ -107,7 +107,8 @@ def list_runs(request, filters: Query[RunFilters]):
     count, items = run_reads.runs_page(
         state=filters.state, hardware=filters.hardware, drafter=filters.drafter,
         protocol=filters.protocol, version=filters.version, baseline=filters.baseline,
-        limit=filters.limit, offset=filters.offset)
+        limit=filters.limit, offset=filters.offset,
+        show_rejected=permissions.sees_rejected(request.user))
     return {"count": count, "limit": filters.limit, "offset": filters.offset,
             "items": [api_run(r) for r in items]}
 

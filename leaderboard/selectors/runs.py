@@ -8,7 +8,14 @@ from django.db.models import F
 from worker.protocol import cell_key
 
 from ..models import Result, Run
+from ..permissions import REJECTED
 from .shapes import filtered, protocol_ref_lookups, run_progress_summary, run_summary
+
+
+def visible(qs, show_rejected: bool):
+    """Runs, without those of rejected drafters unless ``show_rejected`` (staff:
+    leaderboard.permissions.sees_rejected): a rejection hides the drafter everywhere."""
+    return qs if show_rejected else qs.exclude(drafter__review_state=REJECTED)
 
 
 def queue_positions(run_ids=None) -> dict[int, int]:
@@ -24,12 +31,14 @@ def queue_positions(run_ids=None) -> dict[int, int]:
     return positions
 
 
-def queue(hardware: str | None = None, finished_limit: int = 50) -> dict:
+def queue(hardware: str | None = None, finished_limit: int = 50,
+          show_rejected: bool = False) -> dict:
     """Every queued and running run (running first, then queued in queue order), and the
     most recently finished ones (failed runs keep their error and log tail). Three queries.
 
     Returns {"active": [run_summary], "finished": [run_summary], "hardware": [...]}."""
-    base = Run.objects.select_related("drafter", "drafter__owner", "protocol")
+    base = visible(Run.objects.select_related("drafter", "drafter__owner", "protocol"),
+                   show_rejected)
     if hardware:
         base = base.filter(hardware=hardware)
     positions = queue_positions()
@@ -45,7 +54,8 @@ def queue(hardware: str | None = None, finished_limit: int = 50) -> dict:
             "hardware": hardware_classes}
 
 
-def active_runs(*, protocol=None, drafter=None, run_ids=None, limit: int = 10) -> list[dict]:
+def active_runs(*, protocol=None, drafter=None, run_ids=None, limit: int = 10,
+                show_rejected: bool = False) -> list[dict]:
     """The queued and running runs of a protocol (or of a drafter, or these ids), running
     first then in queue order, as the queue page shows them (run_summary with the queue
     position, progress and ETA) plus "next": the cells the run measures next (its next
@@ -54,8 +64,8 @@ def active_runs(*, protocol=None, drafter=None, run_ids=None, limit: int = 10) -
     measured everything. Three queries."""
     from worker.measure import measurement_groups_for
 
-    qs = Run.objects.select_related("drafter", "drafter__owner", "protocol").filter(
-        state__in=[Run.QUEUED, Run.RUNNING])
+    qs = visible(Run.objects.select_related("drafter", "drafter__owner", "protocol"),
+                 show_rejected).filter(state__in=[Run.QUEUED, Run.RUNNING])
     if protocol is not None:
         qs = qs.filter(protocol=protocol)
     if drafter is not None:
@@ -83,10 +93,10 @@ def active_runs(*, protocol=None, drafter=None, run_ids=None, limit: int = 10) -
     return out
 
 
-def run_progress(ids) -> list[dict]:
+def run_progress(ids, show_rejected: bool = False) -> list[dict]:
     """Progress of the given runs (the queue page polls this). Two queries."""
     ids = [int(i) for i in ids][:500]
-    runs = list(Run.objects.filter(pk__in=ids).order_by("pk"))
+    runs = list(visible(Run.objects.filter(pk__in=ids), show_rejected).order_by("pk"))
     positions = queue_positions(ids) if any(r.state == Run.QUEUED for r in runs) else {}
     return [run_progress_summary(r, positions.get(r.pk)) for r in runs]
 
@@ -99,10 +109,12 @@ def get_run(run_id: int) -> Run | None:
 def runs_page(*, state: str | None = None, hardware: str | None = None,
               drafter: str | None = None, protocol: str | None = None,
               version: int | None = None, baseline: bool | None = None,
-              limit: int = 100, offset: int = 0) -> tuple[int, list[dict]]:
+              limit: int = 100, offset: int = 0,
+              show_rejected: bool = False) -> tuple[int, list[dict]]:
     """(count, one page of runs, newest first, each with its queue position). Three
     queries."""
-    qs = Run.objects.select_related("drafter", "drafter__owner", "protocol")
+    qs = visible(Run.objects.select_related("drafter", "drafter__owner", "protocol"),
+                 show_rejected)
     qs = filtered(qs, **protocol_ref_lookups(protocol))
     qs = filtered(qs, state=state, hardware=hardware, drafter__slug=drafter,
                   protocol__version=version)
