@@ -296,6 +296,8 @@ def drafter_withdraw(request, slug):
     if not permissions.can_manage_drafter(request.user, drafter):
         raise PermissionDenied("only the owner or staff may withdraw this drafter")
     n = submissions.withdraw_drafter(drafter)
+    if n is None:   # rejected by staff since the page was loaded
+        raise Http404("no such drafter")
     messages.success(request, f"{drafter.name} is withdrawn from the leaderboard"
                      + (f"; {n} unfinished run(s) cancelled." if n else "."))
     return redirect("drafter", slug=drafter.slug)

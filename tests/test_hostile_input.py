@@ -255,3 +255,24 @@ def test_api_token_creation_is_throttled_per_user(client, settings):
              for i in range(4)]
     assert codes == [200, 200, 429, 429]
     assert ApiToken.objects.filter(user=user).count() == 2
+
+
+def test_a_withdrawal_never_overwrites_a_rejection_made_meanwhile(rejected):
+    """The owner's page was loaded while the drafter was approved; staff reject it before
+    the owner's withdrawal reaches the database (#32 item 7)."""
+    from leaderboard.services import submissions
+
+    d = rejected["drafter"]
+    Drafter.objects.filter(pk=d.pk).update(review_state="approved")
+    stale = Drafter.objects.get(pk=d.pk)                                # the owner's view
+    Drafter.objects.filter(pk=d.pk).update(review_state="rejected")    # staff, meanwhile
+    queued = f.make_run(rejected["protocol"], d, state=Run.QUEUED)
+    assert submissions.withdraw_drafter(stale) is None
+    assert Drafter.objects.get(pk=d.pk).review_state == "rejected"
+    queued.refresh_from_db()
+    assert queued.state == Run.QUEUED            # nothing cancelled on its behalf either
+    # A withdrawal from a withdrawable state happens once; again is a no-op.
+    Drafter.objects.filter(pk=d.pk).update(review_state="approved")
+    assert submissions.withdraw_drafter(stale) == 1
+    assert submissions.withdraw_drafter(stale) == 0
+    assert Drafter.objects.get(pk=d.pk).review_state == "withdrawn"

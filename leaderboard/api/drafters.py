@@ -257,4 +257,6 @@ def withdraw(request, slug: str = DRAFTER_SLUG):
     if not permissions.can_manage_drafter(request.auth, drafter):
         raise not_manager()
     n = submissions.withdraw_drafter(drafter)
+    if n is None:   # rejected by staff meanwhile
+        raise not_found("slug", f"no drafter {slug!r}")
     return {"drafter": drafters.drafter_page(slug)["drafter"], "runs_cancelled": n}

@@ -276,12 +276,21 @@ def update_drafter(drafter: Drafter, **changes) -> Drafter:
     return drafter
 
 
-def withdraw_drafter(drafter: Drafter) -> int:
+WITHDRAWABLE = ("pending", "approved")
+
+
+def withdraw_drafter(drafter: Drafter) -> int | None:
     """Hide the drafter from the leaderboard and cancel its unfinished runs. Returns the
-    number of runs cancelled or asked to stop."""
+    number of runs cancelled or asked to stop (0 if it was withdrawn already), or None when
+    staff rejected it meanwhile: the state changes only from a withdrawable one, in one
+    conditional update, so a withdrawal never overwrites a rejection however the two
+    interleave."""
     with transaction.atomic():
-        Drafter.objects.filter(pk=drafter.pk).update(review_state="withdrawn")
-        drafter.review_state = "withdrawn"
+        changed = (Drafter.objects.filter(pk=drafter.pk, review_state__in=WITHDRAWABLE)
+                   .update(review_state="withdrawn"))
+        drafter.refresh_from_db(fields=["review_state"])
+        if not changed:
+            return 0 if drafter.review_state == "withdrawn" else None
         pending = list(Run.objects.filter(drafter=drafter,
                                           state__in=[Run.QUEUED, Run.RUNNING]))
         for run in pending:
