@@ -1,6 +1,7 @@
 """SpecBoard settings. Every setting comes from the environment; unset means the embedded
 default (SQLite, a filesystem broker, files under var/), so that `make run` needs no server."""
 import os
+from datetime import timedelta
 from pathlib import Path
 
 from .env import database_from_url, env_bool, env_int, env_list, env_str, persistent_secret_key
@@ -53,7 +54,13 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     # Swagger UI and ReDoc for /api/docs from the installed django-ninja (no CDN).
     "ninja",
+    # Log-in lock-out on every log-in form, the admin's included (settings below).
+    "axes",
     "leaderboard",
+]
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",   # refuses a locked-out client before checking
+    "django.contrib.auth.backends.ModelBackend",
 ]
 
 MIDDLEWARE = [
@@ -72,6 +79,8 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     # A throttled request (django-ratelimit) is a 429 page (views.rate_limited).
     "django_ratelimit.middleware.RatelimitMiddleware",
+    # django-axes: a locked-out log-in is a 429 page (AXES_* below); last, as it asks.
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "leaderboard.urls"
@@ -227,9 +236,26 @@ STATICFILES_FINDERS = [
 # log-in attempts per client address, log-in attempts per user name, API tokens created per
 # user. Counted in Django's cache: per web process unless SPECBOARD_CACHE_URL is redis://.
 SPECBOARD_SIGNUP_RATE = env_str("SPECBOARD_SIGNUP_RATE", "5/h")
-SPECBOARD_LOGIN_RATE = env_str("SPECBOARD_LOGIN_RATE", "10/15m")
 SPECBOARD_TOKEN_RATE = env_str("SPECBOARD_TOKEN_RATE", "10/h")
 RATELIMIT_VIEW = "leaderboard.views.rate_limited"
+# The client address every throttle keys on (leaderboard/clientip.py): REMOTE_ADDR, or
+# behind this many trusted reverse proxies the address the outermost one saw, read from
+# this header. Leave 0 unless every request reaches the site through the proxies.
+SPECBOARD_TRUSTED_PROXIES = env_int("SPECBOARD_TRUSTED_PROXIES", 0)
+SPECBOARD_FORWARDED_HEADER = env_str("SPECBOARD_FORWARDED_HEADER", "X-Forwarded-For")
+RATELIMIT_IP_META_KEY = "leaderboard.clientip.client_ip"
+# Log-in lock-out (django-axes), on /accounts/login/ and /admin/login/ alike: after
+# SPECBOARD_LOGIN_FAILURES failed attempts from one client address, or for one user name,
+# further attempts (the right password included) are a 429 for SPECBOARD_LOGIN_LOCKOUT_MINUTES;
+# a successful log-in resets its counts.
+AXES_FAILURE_LIMIT = env_int("SPECBOARD_LOGIN_FAILURES", 10)
+AXES_COOLOFF_TIME = timedelta(minutes=env_int("SPECBOARD_LOGIN_LOCKOUT_MINUTES", 15))
+AXES_LOCKOUT_PARAMETERS = ["ip_address", "username"]
+AXES_CLIENT_IP_CALLABLE = "leaderboard.clientip.client_ip"
+AXES_HTTP_RESPONSE_CODE = 429
+AXES_LOCKOUT_TEMPLATE = "429.html"
+AXES_RESET_ON_SUCCESS = True
+AXES_VERBOSE = False
 # Drafters one user may submit per 24 hours (staff are not limited; 0 = no limit).
 SPECBOARD_SUBMISSIONS_PER_DAY = env_int("SPECBOARD_SUBMISSIONS_PER_DAY", 5)
 # Largest upload (all files of one drafter together, archives as decompressed).

@@ -1,4 +1,3 @@
-from functools import reduce
 
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
@@ -39,8 +38,8 @@ urlpatterns = [
     path("protocols/<slug:slug>/v<id:version>/pays/", views.protocol_pays, name="protocol_pays"),
     path("recipes/", views.recipes, name="recipes"),
     path("accounts/signup/", views.signup, name="signup"),
-    path("accounts/login/", reduce(lambda view, limit: limit(view), views.login_throttle,
-                                   auth_views.LoginView.as_view()), name="login"),
+    # Failed log-ins are counted and locked out by django-axes (settings.py, AXES_*).
+    path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("accounts/settings/", views.account_settings, name="account_settings"),
     path("demo/", views.demo_page, name="demo"),

@@ -534,12 +534,6 @@ def rate_limited(request, exception):
     return render(request, "429.html", status=429)
 
 
-# Log-in attempts: per client address and per user name (LoginView in urls.py).
-login_throttle = [ratelimit(key="ip", rate=_rate("SPECBOARD_LOGIN_RATE"), method="POST"),
-                  ratelimit(key="post:username", rate=_rate("SPECBOARD_LOGIN_RATE"),
-                            method="POST")]
-
-
 @ratelimit(key="ip", rate=_rate("SPECBOARD_SIGNUP_RATE"), method="POST")
 def signup(request):
     if request.user.is_authenticated:

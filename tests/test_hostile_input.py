@@ -233,16 +233,62 @@ def test_sign_ups_from_one_address_are_throttled(client, settings):
 
 
 def test_log_in_attempts_are_throttled_per_user_name(client, settings):
-    settings.SPECBOARD_LOGIN_RATE = "4/15m"
+    settings.AXES_FAILURE_LIMIT = 4
     User.objects.create_user("victim", password="the right pass phrase 1")
     codes = [client.post(reverse("login"), {"username": "victim", "password": f"guess {i}"},
                          REMOTE_ADDR=f"10.0.0.{i}").status_code for i in range(6)]
-    assert codes[:4] == [200] * 4 and codes[4:] == [429, 429]  # other addresses, same name
+    # other addresses, same name: locked out at the fourth failure (django-axes)
+    assert codes == [200, 200, 200, 429, 429, 429]
     # the right password is refused too while throttled: guessing gains nothing
     right = client.post(reverse("login"), {"username": "victim",
                                            "password": "the right pass phrase 1"},
                         REMOTE_ADDR="10.0.0.99")
     assert right.status_code == 429 and "_auth_user_id" not in client.session
+
+
+def test_the_admin_log_in_is_locked_out_like_the_site_s(client, settings):
+    settings.AXES_FAILURE_LIMIT = 5
+    User.objects.create_user("boss", password="the right pass phrase 1", is_staff=True,
+                             is_superuser=True)
+    codes = [client.post("/admin/login/?next=/admin/", {
+        "username": "boss", "password": f"guess {i}"}).status_code for i in range(13)]
+    assert codes[:4] == [200] * 4 and set(codes[4:]) == {429}
+    right = client.post("/admin/login/?next=/admin/", {"username": "boss",
+                                                        "password": "the right pass phrase 1"})
+    assert right.status_code == 429 and "_auth_user_id" not in client.session
+
+
+def test_behind_trusted_proxies_each_client_has_its_own_budget(client, settings):
+    """Every request comes from the proxy (one REMOTE_ADDR); SPECBOARD_TRUSTED_PROXIES says
+    how many proxies appended to X-Forwarded-For, so the client is found there, and what a
+    client writes into the header itself is never believed."""
+    settings.AXES_FAILURE_LIMIT = 3
+    settings.SPECBOARD_SIGNUP_RATE = "2/h"
+    settings.SPECBOARD_TRUSTED_PROXIES = 1
+    proxy = {"REMOTE_ADDR": "10.9.9.9"}
+
+    def login(forwarded, name):
+        return client.post(reverse("login"), {"username": name, "password": "wrong"},
+                           HTTP_X_FORWARDED_FOR=forwarded, **proxy).status_code
+
+    # One client fails until locked out (spoofing a first hop changes nothing) ...
+    codes = [login(f"6.6.6.{i}, 203.0.113.7", f"name{i}") for i in range(4)]
+    assert codes == [200, 200, 429, 429]
+    # ... and another client behind the same proxy is not locked out by it.
+    assert login("198.51.100.2", "someone") == 200
+    # Sign-ups, too, are counted per client, not per proxy.
+    codes = []
+    for i, addr in enumerate(["198.51.100.3"] * 3 + ["198.51.100.4"]):
+        client.logout()
+        codes.append(client.post(reverse("signup"), {
+            "username": f"new{i}", "password1": "a long pass phrase 123",
+            "password2": "a long pass phrase 123"}, HTTP_X_FORWARDED_FOR=addr,
+            **proxy).status_code)
+    assert codes == [302, 302, 429, 302]
+    # Without trusted proxies the header is ignored: every client is the proxy, and three
+    # failures under three "different" forwarded addresses lock it out.
+    settings.SPECBOARD_TRUSTED_PROXIES = 0
+    assert [login(f"192.0.2.{i}", f"fresh-{i}") for i in range(3)] == [200, 200, 429]
 
 
 def test_api_token_creation_is_throttled_per_user(client, settings):

@@ -1,0 +1,33 @@
+"""The client's address, the one rule every throttle keys on: django-ratelimit
+(RATELIMIT_IP_META_KEY) and django-axes (AXES_CLIENT_IP_CALLABLE).
+
+Without a proxy (SPECBOARD_TRUSTED_PROXIES = 0) it is REMOTE_ADDR, and a forwarded header
+is ignored: a client could write any address in it. Behind N trusted proxies, each appends
+the address it received the request from to the forwarded header (nginx's
+$proxy_add_x_forwarded_for, most load balancers), so the client is the N-th address from
+the right: the one the outermost trusted proxy saw; whatever the client wrote itself lies
+further left and is never read. (django-ipware's proxy_count counts proxies listed inside
+the header, which these proxies do not add, so its rule would trust nothing here.)"""
+from __future__ import annotations
+
+import ipaddress
+
+from django.conf import settings
+
+
+def client_ip(request, *args) -> str:
+    """REMOTE_ADDR, or behind SPECBOARD_TRUSTED_PROXIES proxies the address the outermost
+    one saw, from SPECBOARD_FORWARDED_HEADER. A header too short or not an address falls
+    back to REMOTE_ADDR (the proxy's own: all such clients then share one budget)."""
+    remote = request.META.get("REMOTE_ADDR", "")
+    proxies = settings.SPECBOARD_TRUSTED_PROXIES
+    if proxies <= 0:
+        return remote
+    key = "HTTP_" + settings.SPECBOARD_FORWARDED_HEADER.upper().replace("-", "_")
+    hops = [h.strip() for h in request.META.get(key, "").split(",") if h.strip()]
+    if len(hops) < proxies:
+        return remote
+    try:
+        return str(ipaddress.ip_address(hops[-proxies]))
+    except ValueError:
+        return remote
