@@ -3,6 +3,9 @@ default (SQLite, a filesystem broker, files under var/), so that `make run` need
 import os
 from datetime import timedelta
 from pathlib import Path
+from urllib.parse import urlsplit
+
+from csp.constants import NONE, SELF, UNSAFE_INLINE
 
 from .env import database_from_url, env_bool, env_int, env_list, env_str, persistent_secret_key
 
@@ -56,6 +59,7 @@ INSTALLED_APPS = [
     "ninja",
     # Log-in lock-out on every log-in form, the admin's included (settings below).
     "axes",
+    "csp",
     "leaderboard",
 ]
 AUTHENTICATION_BACKENDS = [
@@ -79,6 +83,8 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     # A throttled request (django-ratelimit) is a 429 page (views.rate_limited).
     "django_ratelimit.middleware.RatelimitMiddleware",
+    # The Content-Security-Policy header (CONTENT_SECURITY_POLICY below).
+    "csp.middleware.CSPMiddleware",
     # django-axes: a locked-out log-in is a 429 page (AXES_* below); last, as it asks.
     "axes.middleware.AxesMiddleware",
 ]
@@ -210,6 +216,25 @@ DEMO_HOST_WAIT_S = env_int("SPECBOARD_DEMO_HOST_WAIT_S", 60)
 # --- Gradio live demo (`manage.py demo`, run from .venv-demo) ----------------------------
 # Where the site's /demo/ page finds the Gradio app (it embeds it in an iframe).
 SPECBOARD_DEMO_URL = env_str("SPECBOARD_DEMO_URL", "http://127.0.0.1:7860/")
+
+# Content-Security-Policy (django-csp): scripts only from this site's own files (no inline
+# script or handler: static/leaderboard/forms.js binds the forms; charts read their figures
+# from JSON blocks); inline styles allowed (plotly.js writes its own); the demo's Gradio
+# app is the one other origin, framed by /demo/.
+_demo = urlsplit(SPECBOARD_DEMO_URL)
+CONTENT_SECURITY_POLICY = {"DIRECTIVES": {
+    "default-src": [SELF],
+    "script-src": [SELF],
+    "style-src": [SELF, UNSAFE_INLINE],
+    "img-src": [SELF, "data:"],
+    "font-src": [SELF, "data:"],
+    "connect-src": [SELF],
+    "frame-src": [SELF] + ([f"{_demo.scheme}://{_demo.netloc}"] if _demo.netloc else []),
+    "object-src": [NONE],
+    "base-uri": [SELF],
+    "form-action": [SELF],
+    "frame-ancestors": [NONE],
+}}
 # Requests waiting in the demo's queue beyond the one generating (more are turned away).
 DEMO_QUEUE_SIZE = env_int("SPECBOARD_DEMO_QUEUE_SIZE", 8)
 # torch threads of the demo process (0: torch's default), so it cannot starve the workers.
