@@ -54,22 +54,12 @@ def _float(value, allowed=None):
     return v if allowed is None or v in allowed else None
 
 
-# The leaderboard's query parameters: its links carry these and nothing else, and its cached
-# table is keyed by all of them (an unknown parameter can never reach a cached link).
-BOARD_PARAMS = ("protocol", "target", "task", "batch_size", "temperature", "k", "method",
-                "sort", "dir", "page")
-
-
-def _board_params(request) -> list[tuple[str, list[str]]]:
-    return [(k, request.GET.getlist(k)) for k in BOARD_PARAMS if k in request.GET]
-
-
-def _query(request, **changes):
-    """The leaderboard's query string (BOARD_PARAMS only) with some parameters changed
-    (None removes one)."""
+def _query(params: list[tuple[str, str]], **changes):
+    """The leaderboard's query string: ``params`` (the request's parameters as validated,
+    ``board_params``) with some changed (None removes one)."""
     q = QueryDict(mutable=True)
-    for k, values in _board_params(request):
-        q.setlist(k, values)
+    for k, v in params:
+        q[k] = v
     for k, v in changes.items():
         if v is None:
             q.pop(k, None)
@@ -176,34 +166,58 @@ def home(request):
     sort = request.GET.get("sort") or "speedup"
     sort = sort if sort in board.SORT_KEYS else "speedup"
     descending = request.GET.get("dir", "desc") != "asc"
-    page = _int(request.GET.get("page")) or 1
+    page = max(_int(request.GET.get("page")) or 1, 1)
+    # The parameters as validated: the links and the cache key carry only these, so an
+    # unknown value can neither reach a link nor add a cache entry.
+    params = []
+    if request.GET.get("protocol"):
+        params.append(("protocol", shapes.protocol_ref(protocol)))
+    elif request.GET.get("target"):
+        params.append(("target", protocol.target.slug))
+    for name, value, given in (
+            ("task", task, True),
+            ("batch_size", "all" if batch_size is None else str(batch_size),
+             b_param == "all" or _int(b_param, spec.batch_sizes) is not None),
+            ("temperature", "all" if temperature is None else f"{temperature:g}",
+             t_param == "all" or _float(t_param, spec.temperatures) is not None),
+            ("k", k, True), ("method", method, True),
+            ("sort", sort, request.GET.get("sort") == sort),
+            ("dir", request.GET.get("dir"), request.GET.get("dir") in ("asc", "desc"))):
+        if given and value is not None:
+            params.append((name, str(value)))
     headers = []
     for key, label in COLUMNS:
         active = sort == key
         headers.append({"key": key, "label": label, "active": active,
                         "dir": "desc" if descending else "asc",
-                        "url": _query(request, sort=key,
+                        "url": _query(params, sort=key,
                                       dir="asc" if active and descending else "desc", page=None)})
     filters = dict(task=task, batch_size=batch_size, temperature=temperature, k=k,
                    method=method, sort=sort, descending=descending)
 
-    def build():
+    def build(n):
         table = board.leaderboard(protocol, **filters)
         total = len(table["rows"])
         pages = max(1, -(-total // ROWS_PER_PAGE))
-        n = min(max(page, 1), pages)
+        n = min(max(n, 1), pages)
         offset = (n - 1) * ROWS_PER_PAGE
         table["rows"] = table["rows"][offset:offset + ROWS_PER_PAGE]
         pager = {"page": n, "pages": pages, "total": total, "offset": offset,
-                 "prev": _query(request, page=n - 1) if n > 1 else None,
-                 "next": _query(request, page=n + 1) if n < pages else None}
+                 "prev": _query(params, page=n - 1) if n > 1 else None,
+                 "next": _query(params, page=n + 1) if n < pages else None}
         html = render_to_string("leaderboard/_board.html", {
             "board": table, "headers": headers, "pager": pager, "p": table["protocol"]})
-        return {"html": html, "board": table, "meta_rows": total}
+        return {"html": html, "board": table, "meta_rows": total, "meta_pages": pages}
 
-    fragment = cached_fragment(
-        ("board", protocol.pk, sorted(filters.items()), page, _board_params(request)),
-        signature, build)
+    def fragment_of(n):
+        return cached_fragment(("board", protocol.pk, sorted(filters.items()), n, params),
+                               signature, lambda: build(n))
+
+    if page > 1 and settings.SPECBOARD_PAGE_CACHE_SECONDS > 0:
+        # A page past the last is the last: one cache entry per page that exists (the
+        # first page, cached too, knows how many there are).
+        page = min(page, fragment_of(1)["meta_pages"])
+    fragment = fragment_of(page)
     ref = shapes.protocol_ref(protocol)
     # An empty board says what is measuring, and what comes next (not cached: ETAs move).
     measuring = run_reads.active_runs(protocol=protocol) if not fragment["meta_rows"] else []
@@ -229,7 +243,10 @@ def drafter_detail(request, slug):
                                                     overview["drafter"]["review_state"]):
         raise Http404("no such drafter")
     page = {k: v for k, v in overview.items() if not k.startswith("_")}
-    k_param, t_param = request.GET.get("k"), request.GET.get("temperature")
+    # Only values the protocol has reach the rendering and its cache key.
+    shown = page.get("protocol") or {}
+    k_param = _int(request.GET.get("k"), shown.get("ks") or ())
+    t_param = _float(request.GET.get("temperature"), shown.get("temperatures") or ())
 
     def build():
         full = {**page, **drafters.drafter_results(overview)}

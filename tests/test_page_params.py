@@ -65,3 +65,32 @@ def test_a_nul_byte_in_a_page_address_is_a_400_before_any_query(board):
         response = client.get(url)
         assert response.status_code == 400, url
         assert "NUL" in response.content.decode()
+
+
+def test_only_valid_values_reach_the_page_cache(board, settings):
+    """#32 item 5: 200 requests with made-up values add no cache entry beyond the page's
+    own, and no made-up value reaches a link of the cached table."""
+    from django.core.cache import cache
+
+    settings.SPECBOARD_PAGE_CACHE_SECONDS = 300
+    cache.clear()
+    client = Client()
+    from leaderboard.models import Drafter
+
+    drafter = Drafter.objects.order_by("pk").first()
+    pages = [reverse("home"), reverse("drafter", args=[drafter.slug])]
+
+    def entries():
+        return len(getattr(cache, "_cache", {}))
+
+    for url in pages:
+        client.get(url)
+    baseline = entries()
+    for i in range(200):
+        for url in pages:
+            made_up = f"zq{i}qz"
+            html = client.get(url, {"dir": made_up, "sort": made_up, "page": 10 ** 9 + i,
+                                    "k": made_up, "temperature": made_up, "task": made_up,
+                                    "batch_size": made_up, "method": made_up}).content.decode()
+            assert made_up not in html and str(10 ** 9 + i) not in html
+    assert entries() == baseline, (baseline, entries())
