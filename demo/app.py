@@ -127,7 +127,8 @@ def generate(target_slug, drafter_slug, prompt, k, temperature, max_new_tokens, 
         engine = backend.get_engine(folder)
         proposer = backend.get_proposer(choice)
         prompt_ids = backend.encode_prompt(engine, prompt, max_new_tokens, k,
-                                      settings.DEMO_MAX_PROMPT_TOKENS)
+                                           settings.DEMO_MAX_PROMPT_TOKENS,
+                                           settings.DEMO_MAX_PROMPT_CHARS)
     except backend.DemoError as e:
         yield _error(str(e))
         return
@@ -203,7 +204,9 @@ def build_app() -> gr.Blocks:
         with gr.Row():
             group = gr.Dropdown(label="Prompt set · category", choices=[], elem_id="prompt-group")
             pick = gr.Dropdown(label="Prompt from the set", choices=[], elem_id="prompt-pick")
-        prompt = gr.Textbox(label="Prompt", lines=4, elem_id="prompt",
+        prompt = gr.Textbox(label=f"Prompt (at most {settings.DEMO_MAX_PROMPT_CHARS} "
+                                  f"characters, {settings.DEMO_MAX_PROMPT_TOKENS} tokens)",
+                            lines=4, elem_id="prompt", max_length=settings.DEMO_MAX_PROMPT_CHARS,
                             placeholder="Type a prompt, or pick one from a prompt set above")
         with gr.Row():
             k = gr.Slider(1, 8, value=4, step=1, label="k (tokens drafted per step)",
@@ -226,12 +229,13 @@ def build_app() -> gr.Blocks:
         target.change(drafters_for, target, drafter, queue=False)
         group.change(prompts_for, group, pick, queue=False)
         pick.change(fill_prompt, [pick, prompt], prompt, queue=False)
+        # trigger_mode="once": a page has at most one generation queued or running.
         button.click(generate, [target, drafter, prompt, k, temperature, max_new_tokens, seed],
                      [output, counters, steps, status], concurrency_limit=1,
-                     concurrency_id="engine")
+                     concurrency_id="engine", trigger_mode="once")
         prompt.submit(generate, [target, drafter, prompt, k, temperature, max_new_tokens, seed],
                       [output, counters, steps, status], concurrency_limit=1,
-                      concurrency_id="engine")
+                      concurrency_id="engine", trigger_mode="once")
     # One generation at a time; a bounded waiting line; no API calls around the queue.
     app.queue(default_concurrency_limit=1, max_size=settings.DEMO_QUEUE_SIZE, api_open=False)
     return app

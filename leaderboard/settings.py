@@ -241,6 +241,8 @@ DEMO_QUEUE_SIZE = env_int("SPECBOARD_DEMO_QUEUE_SIZE", 8)
 DEMO_TORCH_THREADS = env_int("SPECBOARD_DEMO_TORCH_THREADS", 1)
 # Longest prompt (tokens) and output the demo accepts.
 DEMO_MAX_PROMPT_TOKENS = env_int("SPECBOARD_DEMO_MAX_PROMPT_TOKENS", 2048)
+# Checked before tokenizing (and by the prompt box itself): about 4 characters a token.
+DEMO_MAX_PROMPT_CHARS = env_int("SPECBOARD_DEMO_MAX_PROMPT_CHARS", 16000)
 DEMO_MAX_NEW_TOKENS = env_int("SPECBOARD_DEMO_MAX_NEW_TOKENS", 512)
 
 LOGGING = {

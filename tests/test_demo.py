@@ -184,6 +184,29 @@ def test_a_prompt_too_long_for_the_context_or_the_demo_is_refused(demo_engine_lo
         backend.encode_prompt(engine, "   ", max_new_tokens=16, k=4, max_prompt_tokens=16)
 
 
+def test_a_huge_prompt_is_refused_by_its_length_before_it_is_tokenized(demo_engine_loaded):
+    """#32 item 4: a 4 MiB prompt is refused at once, without tokenizing it (the tokenizer
+    is not even called), and a prompt at the cap still is tokenized."""
+    engine = demo_engine_loaded
+    calls = []
+
+    class Counting:
+        path = engine.path
+
+        def encode_chat(self, text):
+            calls.append(len(text))
+            return engine.encode_chat(text)
+
+    huge = "word " * (4 << 18)   # 5 MiB
+    with pytest.raises(backend.DemoError, match="at most 16000"):
+        backend.encode_prompt(Counting(), huge, 16, 4, max_prompt_tokens=2048,
+                              max_prompt_chars=16000)
+    assert calls == []
+    assert backend.encode_prompt(Counting(), "hello " * 100, 16, 4, max_prompt_tokens=2048,
+                                 max_prompt_chars=16000)
+    assert calls == [len(("hello " * 100).strip())]
+
+
 def make_target(path, slug="demo-target"):
     return Target.objects.create(slug=slug, name="SmolLM2 demo", path=str(path),
                                  weights_sha256="0" * 64, vocab_size=49152, hidden_size=576,
