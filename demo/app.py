@@ -21,7 +21,8 @@ import pandas as pd  # noqa: E402  (a gradio dependency)
 from django.conf import settings  # noqa: E402
 from django.db import close_old_connections  # noqa: E402
 
-from . import backend  # noqa: E402
+from . import backend
+from .client_limit import limit_per_client  # noqa: E402
 from .trace import COLORS, STEP_LOG_HEADERS, TraceView, counters_markdown  # noqa: E402
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
@@ -238,6 +239,7 @@ def build_app() -> gr.Blocks:
                       concurrency_id="engine", trigger_mode="once")
     # One generation at a time; a bounded waiting line; no API calls around the queue.
     app.queue(default_concurrency_limit=1, max_size=settings.DEMO_QUEUE_SIZE, api_open=False)
+    limit_per_client(app, settings.DEMO_PER_CLIENT)
     return app
 
 

@@ -16,15 +16,20 @@ from django.conf import settings
 
 
 def client_ip(request, *args) -> str:
-    """REMOTE_ADDR, or behind SPECBOARD_TRUSTED_PROXIES proxies the address the outermost
-    one saw, from SPECBOARD_FORWARDED_HEADER. A header too short or not an address falls
-    back to REMOTE_ADDR (the proxy's own: all such clients then share one budget)."""
-    remote = request.META.get("REMOTE_ADDR", "")
+    """A Django request's client (see ``client_address``)."""
+    key = "HTTP_" + settings.SPECBOARD_FORWARDED_HEADER.upper().replace("-", "_")
+    return client_address(request.META.get("REMOTE_ADDR", ""), request.META.get(key, ""))
+
+
+def client_address(remote: str, forwarded: str) -> str:
+    """``remote`` (the peer's address), or behind SPECBOARD_TRUSTED_PROXIES proxies the
+    address the outermost one saw, from ``forwarded`` (the SPECBOARD_FORWARDED_HEADER
+    value). A header too short or not an address falls back to ``remote`` (the proxy's
+    own: all such clients then share one budget). The demo's queue uses it too."""
     proxies = settings.SPECBOARD_TRUSTED_PROXIES
     if proxies <= 0:
         return remote
-    key = "HTTP_" + settings.SPECBOARD_FORWARDED_HEADER.upper().replace("-", "_")
-    hops = [h.strip() for h in request.META.get(key, "").split(",") if h.strip()]
+    hops = [h.strip() for h in (forwarded or "").split(",") if h.strip()]
     if len(hops) < proxies:
         return remote
     try:

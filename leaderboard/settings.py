@@ -237,6 +237,8 @@ CONTENT_SECURITY_POLICY = {"DIRECTIVES": {
 }}
 # Requests waiting in the demo's queue beyond the one generating (more are turned away).
 DEMO_QUEUE_SIZE = env_int("SPECBOARD_DEMO_QUEUE_SIZE", 8)
+# Generations one client address may have waiting or running at once (demo/client_limit.py).
+DEMO_PER_CLIENT = env_int("SPECBOARD_DEMO_PER_CLIENT", 2)
 # torch threads of the demo process (0: torch's default), so it cannot starve the workers.
 DEMO_TORCH_THREADS = env_int("SPECBOARD_DEMO_TORCH_THREADS", 1)
 # Longest prompt (tokens) and output the demo accepts.

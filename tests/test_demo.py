@@ -457,3 +457,43 @@ def test_demo_in_a_browser_streams_highlighted_tokens_and_counters(demo_rows, de
     assert "rejected" in step_log and "target" in step_log, step_log
     assert "bonus" in step_log or "corrected" in step_log, step_log
     assert (screenshots_dir / "demo.png").stat().st_size > 20_000
+
+
+def _post(url, path, body, source):
+    import http.client
+    import json
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60,
+                                      source_address=(source, 0))
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    return response.status, response.read().decode(errors="replace")
+
+
+def join_queue(url, session, source="127.0.0.1"):
+    """A generation asked of the live demo's queue as its page asks, from ``source`` (a
+    loopback address of its own: one client): the page's load (which fills the target and
+    drafter choices of this session), then POST /gradio_api/queue/join for Generate."""
+    status, text = _post(url, "/gradio_api/run/predict", {
+        "data": [], "event_data": None, "fn_index": 0, "trigger_id": None,
+        "session_hash": session}, source)
+    assert status == 200, (status, text)
+    return _post(url, "/gradio_api/queue/join", {
+        "data": ["smollm2-135m-instruct", "ngram-prompt-lookup", REPEAT_PROMPT, 4, 0.0, 64, 0],
+        "event_data": None, "fn_index": 4, "trigger_id": 17, "session_hash": session}, source)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_one_client_cannot_hold_the_demo_queue(demo_rows, demo_server, monkeypatch):
+    """#32 item 4: a client may have SPECBOARD_DEMO_PER_CLIENT (2) generations waiting or
+    running; its next is turned away with a sentence, while another client still gets in.
+    (fn_index 4 / trigger 17 are the Generate button's, demo/app.py.)"""
+    url, log_path = demo_server
+    answers = [join_queue(url, f"hog-{i}") for i in range(4)]
+    assert [status for status, _ in answers[:2]] == [200, 200], answers
+    assert all(status == 503 and "2 generations waiting or running" in text
+               for status, text in answers[2:]), answers
+    status, text = join_queue(url, "someone-else", source="127.0.0.2")
+    assert status == 200 and "event_id" in text, (status, text)
