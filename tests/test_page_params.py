@@ -11,7 +11,8 @@ from . import factories as f
 
 pytestmark = pytest.mark.django_db
 
-# The parameters each page reads (leaderboard/views.py, request.GET).
+# The parameters each page reads (leaderboard/views.py, request.GET); "drafter" and
+# "protocol_pays" are the pages of the board's first drafter and of its protocol.
 PAGES = {
     "home": ("protocol", "target", "task", "temperature", "k", "method", "batch_size", "sort",
              "dir", "page"),
@@ -20,6 +21,9 @@ PAGES = {
     "queue": ("hardware",),
     "queue_progress": ("ids",),
     "protocols": ("protocol",),
+    "drafter": ("protocol", "k", "temperature"),
+    "protocol_pays": ("temperature", "batch_size", "w_chat", "w_code"),
+    "login": ("next",),
 }
 # Values that broke a page once, and the shapes a fuzzer reaches late.
 NASTY = ["demo@²", "pages@²", "pages@1", "pages@99999999999999999999", "²", "٣", "1e309",
@@ -38,12 +42,22 @@ def board():
     return protocol
 
 
+def url_of(page, protocol):
+    from leaderboard.models import Drafter
+
+    if page == "drafter":
+        return reverse(page, args=[Drafter.objects.order_by("pk").first().slug])
+    if page == "protocol_pays":
+        return reverse(page, args=[protocol.slug, protocol.version])
+    return reverse(page)
+
+
 @pytest.mark.parametrize("page", sorted(PAGES))
 def test_known_bad_values_never_make_a_page_fail(board, page):
     client = Client()
     for param in PAGES[page]:
         for value in NASTY:
-            response = client.get(reverse(page), {param: value})
+            response = client.get(url_of(page, board), {param: value})
             assert response.status_code < 500, (page, param, value)
 
 
@@ -55,7 +69,7 @@ def test_fuzzed_values_never_make_a_page_fail(board, page, data):
     params = {p: data.draw(st.text(max_size=40), label=p)
               for p in data.draw(st.lists(st.sampled_from(PAGES[page]), min_size=1,
                                           unique=True), label="params")}
-    response = Client().get(reverse(page), params)
+    response = Client().get(url_of(page, board), params)
     assert response.status_code < 500, (page, params)
 
 
