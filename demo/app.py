@@ -38,6 +38,10 @@ Colours: **accepted** draft tokens, the target's **corrected** token (after a re
 **bonus** token (after a fully accepted draft), and **target** (no draft that step). The
 step log lists every draft and the tokens the target **rejected**.
 """
+LIMITS = """
+*Shared fairly:* one generation runs at a time; each visitor may have {per_client}
+generations waiting or running; a prompt may have {chars} characters and {tokens} tokens.
+"""
 CSS = """
 #demo-status .prose, #demo-status { font-size: 0.95rem; }
 #output .textspan { white-space: pre-wrap; }
@@ -198,7 +202,9 @@ def generate(target_slug, drafter_slug, prompt, k, temperature, max_new_tokens, 
 
 def build_app() -> gr.Blocks:
     with gr.Blocks(title="SpecBoard live demo", analytics_enabled=False) as app:
-        gr.Markdown(INTRO)
+        gr.Markdown(INTRO + LIMITS.format(per_client=settings.DEMO_PER_CLIENT,
+                                          chars=settings.DEMO_MAX_PROMPT_CHARS,
+                                          tokens=settings.DEMO_MAX_PROMPT_TOKENS))
         with gr.Row():
             target = gr.Dropdown(label="Target", choices=[], elem_id="target")
             drafter = gr.Dropdown(label="Drafter", choices=[], elem_id="drafter")
