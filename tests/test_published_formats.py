@@ -84,6 +84,16 @@ def test_a_speculators_checkpoint_names_its_method_and_its_verifier(tmp_path, wo
     with accept(ups, "eagle3", TINY, work=work) as ckpt:
         assert any("warning" in n and "Llama-3.1-8B" in n for n in ckpt.intake["notes"])
     cfg = json.loads((tmp_path / "spec" / "config.json").read_text())
+    # A method vLLM has and SpecBoard lacks (DFlash) is refused by name, as is P-EAGLE.
+    dflash = dict(cfg, speculators_model_type="dflash", aux_hidden_state_layer_ids=[1, 2],
+                  mask_token_id=0)
+    (tmp_path / "spec" / "config.json").write_text(json.dumps(dflash))
+    find(reject(pf.uploads(tmp_path / "spec"), "eagle3", TINY, work=work),
+         field="speculators_model_type", text="SpecBoard does not measure yet")
+    peagle = dict(cfg, speculators_model_type="peagle", mask_token_id=0)
+    (tmp_path / "spec" / "config.json").write_text(json.dumps(peagle))
+    find(reject(pf.uploads(tmp_path / "spec"), "eagle3", TINY, work=work),
+         field="speculators_model_type", text="parallel drafting (P-EAGLE)")
     cfg["speculators_model_type"] = "eagle"   # not one vLLM 0.32 reads
     (tmp_path / "spec" / "config.json").write_text(json.dumps(cfg))
     find(reject(pf.uploads(tmp_path / "spec"), "eagle3", TINY, work=work), field="speculators_config",

@@ -169,9 +169,14 @@ def _speculators(run: Extraction, entry, config: dict, method, target, intake: I
     except ValueError as e:
         add("speculators_config", str(e))
         return
+    from worker.methods import DRAFTER_METHODS
+
     if read["parallel_drafting"]:
         add("speculators_model_type", f"{config.get('speculators_model_type')} is parallel "
             "drafting (P-EAGLE), which SpecBoard does not measure yet")
+    elif read["method"] not in DRAFTER_METHODS:
+        add("speculators_model_type", f"the checkpoint is a speculators {read['method']} "
+            "drafter, a method vLLM has and SpecBoard does not measure yet")
     elif read["method"] != method.name:
         add("speculators_model_type", f"the checkpoint is a speculators {read['method']} "
             f"drafter, submitted as {method.name}: choose the method {read['method']}")
