@@ -31,6 +31,7 @@ from worker.checkpoint.convert import convert_weights
 from worker.checkpoint.speculators import is_speculators, read_as_vllm, verifier_of
 from worker.checkpoint.archives import Extraction
 from worker.checkpoint.names import is_convertible_weights
+from worker.prompts import file_sha256
 
 SPECULATORS = "speculators"
 SAFEAILAB = "pytorch_model.bin (SafeAILab EAGLE)"
@@ -58,14 +59,6 @@ def converted_name(name: str) -> str:
     base = re.sub(r"^pytorch_model", "model", base)
     base = re.sub(r"\.(bin|pt)$", ".safetensors", base)
     return f"{folder}/{base}" if folder else base
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _rewrite(entry, value) -> None:
@@ -129,7 +122,7 @@ def _convert(run: Extraction, entries: dict, name: str, intake: Intake) -> None:
     del entries[name]
     run.names.discard(name)
     e.path, e.name, e.raw_name = final, dest, dest
-    e.size, e.sha256 = final.stat().st_size, _sha256(final)
+    e.size, e.sha256 = final.stat().st_size, file_sha256(final)
     entries[dest] = e
     run.names.add(dest)
     intake.converted_from[dest] = name
