@@ -36,7 +36,7 @@ DEMO_TRAIN = $(PY) manage.py train_drafter --target smollm2-135m-instruct \
 CURVE_DATA ?= demo-chat-128:128:600 demo-chat-1k:1024:1000 demo-chat-2k:2048:2000
 CURVE_RECIPES ?= draft_model eagle eagle_multistep medusa medusa_reduced_vocab eagle3
 
-.PHONY: install run test migrate setup-demo worker web demo clean-var demo-drafters ship-drafters learning-curves system-packages
+.PHONY: install run test migrate setup-demo worker intake-worker web demo clean-var demo-drafters ship-drafters learning-curves system-packages
 
 # Debian packages the project uses: Chromium for the browser tests, tcmalloc for the vLLM
 # CPU engine (vLLM's CPU docs ask for it preloaded; the worker preloads it when present),
@@ -136,6 +136,10 @@ demo: migrate
 
 worker: migrate
 	$(VENV)/bin/celery -A leaderboard worker -Q cpu -c 1 --loglevel INFO
+
+# The submissions' checks (leaderboard/services/intake.py): `make run` starts one too.
+intake-worker: migrate
+	$(VENV)/bin/celery -A leaderboard worker -Q intake -c 1 --loglevel INFO -n intake@%h
 
 # The wall time of the whole `make test` (installs included), printed pass or fail.
 ifneq ($(filter test,$(MAKECMDGOALS)),)

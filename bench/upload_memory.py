@@ -4,8 +4,10 @@ Starts the site under gunicorn (one sync worker, a throw-away SQLite database), 
 draft-model checkpoint of each size through POST /api/drafters as one streamed multipart
 body, and prints the web worker's peak resident memory (VmHWM) after each upload, a fresh
 server per size, side by side. The goal is flat memory: the upload streams to a temporary
-file (Django's TemporaryFileUploadHandler), through validation in chunks and into the
-storage, so a 2 GiB upload peaks where a 200 MiB one does.
+file (Django's TemporaryFileUploadHandler) and into the storage, staged for the intake
+worker, so a 2 GiB upload peaks where a 200 MiB one does. Then a real intake worker (queue
+intake) checks what was received; its outcome per upload is printed with the peak of the
+sandboxed child that parsed it, and the child's address-space limit.
 
     .venv/bin/python bench/upload_memory.py [--sizes-mib 200,2048] [--formats safetensors,bin]
     .venv/bin/python bench/upload_memory.py --hostile
@@ -164,7 +166,7 @@ def serve_and_upload(work: Path, label: str, port: int, uploads: list, warmup=()
     env = {**os.environ, "SPECBOARD_VAR_DIR": str(var), "DEBUG": "0",
            "DATABASE_URL": f"sqlite:///{var / 'db.sqlite3'}",
            "SPECBOARD_MAX_UPLOAD_BYTES": str(4 << 30), "SPECBOARD_SUBMISSIONS_PER_DAY": "0",
-           "CELERY_BROKER_URL": "memory://"}
+           "CELERY_BROKER_URL": "filesystem://", "SPECBOARD_BROKER_KEY_PREFIX": ""}
     var.mkdir(parents=True)
     manage(env, "migrate", "--noinput")
     token = manage(env, "shell", "-c", SETUP).split("TOKEN", 1)[1].strip()
@@ -189,7 +191,46 @@ def serve_and_upload(work: Path, label: str, port: int, uploads: list, warmup=()
     finally:
         server.terminate()
         server.wait(timeout=30)
-    return {"answers": answers, "peak_before_mib": before / 1024, "peak_mib": peak / 1024}
+    return {"answers": answers, "peak_before_mib": before / 1024, "peak_mib": peak / 1024,
+            "checked": check_received(env, var, len(warmup))}
+
+
+STATES = """
+import json
+from leaderboard.models import Submission
+print("STATES" + json.dumps([[s.state, [p["message"][:120] for p in s.problems]]
+                             for s in Submission.objects.order_by("pk")]))
+"""
+
+
+def check_received(env, var: Path, skip: int) -> list[dict]:
+    """A real intake worker checks every submission received; each one's end state, time
+    and the peak of the largest sandboxed child so far (the worker logs both)."""
+    log_path = var / "intake.log"
+    with open(log_path, "wb") as log:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "leaderboard", "worker", "-Q", "intake", "-c",
+             "1", "-n", f"bench-intake-{os.getpid()}@%h", "--loglevel", "INFO"],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 3600
+            while time.monotonic() < deadline:
+                states = json.loads(manage(env, "shell", "-c", STATES).split("STATES", 1)[1])
+                if all(state != "checking" for state, _ in states):
+                    break
+                time.sleep(3)
+        finally:
+            os.killpg(worker.pid, 15)
+            worker.wait(timeout=60)
+    ended = [line.split("submission ", 1)[1] for line in log_path.read_text().splitlines()
+             if "the largest child process so far peaked" in line]
+    return [{"state": state, "problems": problems, "log": ended[i] if i < len(ended) else ""}
+            for i, (state, problems) in enumerate(states)][skip:]
+
+
+def child_limit_gib() -> float:
+    from worker.checkpoint.sandboxed import limits_for
+    return limits_for(4 << 30).address_space / (1 << 30)
 
 
 def measure(size_mib: int, work: Path, fmt: str = "safetensors") -> dict:
@@ -201,7 +242,7 @@ def measure(size_mib: int, work: Path, fmt: str = "safetensors") -> dict:
     status, body, seconds = served["answers"][0]
     return {"size_mib": size_mib, "format": fmt, "bytes": sum(p.stat().st_size for p in files),
             "status": status, "seconds": seconds, "peak_before_mib": served["peak_before_mib"],
-            "peak_mib": served["peak_mib"], "body": body[:300]}
+            "peak_mib": served["peak_mib"], "body": body[:300], "checked": served["checked"][0]}
 
 
 def hostile_set(folder: Path) -> list[tuple[str, Path]]:
@@ -243,6 +284,16 @@ def measure_hostile(work: Path) -> None:
     growth = served["peak_mib"] - served["peak_before_mib"]
     print(f"web worker peak RSS over the whole set: {served['peak_before_mib']:.0f} MiB -> "
           f"{served['peak_mib']:.0f} MiB (+{growth:.0f} MiB; goal: at most +50 MiB)")
+    print_checked([what for what, _ in cases], served["checked"])
+
+
+def print_checked(labels, checked) -> None:
+    print(f"\nthe intake worker's checks (each in a sandboxed child limited to "
+          f"{child_limit_gib():.1f} GiB of address space here):")
+    for label, c in zip(labels, checked):
+        print(f"{label:32} | {c['state']:8} | {c['log']}")
+        for message in c["problems"][:2]:
+            print(f"{'':32} |   {message}")
 
 
 def main():
@@ -266,8 +317,10 @@ def main():
     for r in rows:
         print(f"{r['bytes'] / 2**20:9.0f} MiB | {r['format']:11} | {r['status']} | "
               f"{r['seconds']:7.1f} | {r['peak_before_mib']:.0f} MiB -> {r['peak_mib']:.0f} MiB")
-        if r["status"] != 201:
+        if r["status"] != 202:
             print(f"   answer: {r['body']}")
+    print_checked([f"{r['bytes'] / 2**20:.0f} MiB {r['format']}" for r in rows],
+                  [r["checked"] for r in rows])
     if len(rows) > 1:
         print(f"peak ratio largest / smallest upload: "
               f"{rows[-1]['peak_mib'] / rows[0]['peak_mib']:.2f}; highest / lowest peak of all: "

@@ -1,7 +1,7 @@
 from django.contrib import admin
 
 from .models import (ApiToken, Drafter, DrafterFile, Prompt, PromptSet, Protocol,
-                     RefusedSubmission, Result, Run, Target, TrainingDataset)
+                     Result, Run, Submission, Target, TrainingDataset)
 
 
 @admin.register(Target)
@@ -89,9 +89,14 @@ class TrainingDatasetAdmin(admin.ModelAdmin):
     readonly_fields = ("sha256", "path", "params")
 
 
-@admin.register(RefusedSubmission)
-class RefusedSubmissionAdmin(admin.ModelAdmin):
-    """Uploads the checks refused (they count toward the owner's daily limit)."""
-    list_display = ("name", "method", "owner", "protocol", "created_at")
-    search_fields = ("name", "owner__username")
-    readonly_fields = ("owner", "protocol", "method", "name", "problems", "created_at")
+@admin.register(Submission)
+class SubmissionAdmin(admin.ModelAdmin):
+    """Every submission attempt and what intake made of it (checking and refused ones count
+    toward the owner's daily limit)."""
+    list_display = ("name", "method", "state", "owner", "protocol", "hub_reference",
+                    "created_at", "finished_at")
+    list_filter = ("state", "method")
+    search_fields = ("name", "owner__username", "hub_reference")
+    readonly_fields = ("owner", "protocol", "method", "name", "params", "details",
+                       "hub_reference", "staged", "state", "problems", "drafter", "attempts",
+                       "created_at", "finished_at")

@@ -12,6 +12,11 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "leaderboard.settings")
 # by this name, so sending needs no import of the task. Until 2026-12-04 it was
 # "worker.measure_run": docs/deployment.md says what becomes of messages queued under that.
 MEASURE_RUN = "leaderboard.tasks.measure_run"
+# The intake task (leaderboard/services/intake.py) and its queue: a submission's checks and
+# conversion run on an intake worker, never in a web worker, and never wait behind a
+# measurement.
+CHECK_SUBMISSION = "leaderboard.tasks.check_submission"
+INTAKE_QUEUE = "intake"
 
 app = Celery("leaderboard")
 app.config_from_object("django.conf:settings", namespace="CELERY")

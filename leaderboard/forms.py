@@ -94,8 +94,14 @@ class SubmitForm(forms.Form):
                                            widget=forms.NumberInput(attrs={"placeholder": "4"}))
     files = MultipleFileField(
         required=False, label="Checkpoint files",
-        help_text="config.json plus *.safetensors as several files, or one .zip / .tar.gz. "
-                  "No files for ngram.")
+        help_text="config.json plus *.safetensors (or pytorch_model.bin, medusa_lm_head.pt) "
+                  "as several files, or one .zip / .tar.gz. No files for ngram.")
+    hub_reference = forms.CharField(
+        required=False, max_length=300, label="Or a model-hub reference",
+        help_text="owner/name, or owner/name@revision (a branch, a tag or a commit hash), "
+                  "instead of files: the revision is pinned to its commit, which is what "
+                  "is measured.",
+        widget=forms.TextInput(attrs={"placeholder": "RedHatAI/drafter.eagle3@main"}))
 
     PARAM_FIELDS = ("k", "prompt_lookup_min", "prompt_lookup_max")
 
@@ -119,22 +125,24 @@ class SubmitForm(forms.Form):
         if protocol and k is not None and k not in protocol.spec.ks:
             self.add_error("k", f"this protocol measures k in {list(protocol.spec.ks)}")
         _claims_need_source(self, cleaned)
+        if cleaned.get("files") and cleaned.get("hub_reference"):
+            self.add_error("hub_reference", "Give the files or a hub reference, not both.")
         return cleaned
 
     def params(self) -> dict:
         return {f: self.cleaned_data.get(f) for f in self.PARAM_FIELDS
                 if self.cleaned_data.get(f) is not None}
 
-    def add_problems(self, problems, existing_url=None):
+    def add_problems(self, problems):
         """Put each refusal next to its field: parameters next to theirs, file problems
         next to the file input (naming file, member and field), the rest on top."""
         for p in problems:
             if p.file == "params" and p.field in self.fields:
                 self.add_error(p.field, p.message)
+            elif p.file == "(hub)" and p.field == "hub_reference":
+                self.add_error("hub_reference", p.message)
             elif p.file in ("(submission)",):
                 self.add_error(None, f"{p.field}: {p.message}")
-            elif p.field == "content_sha256" and existing_url:
-                self.add_error(None, p.message)
             else:
                 self.add_error("files", f"{p.where} \u2014 {p.field}: {p.message}")
 

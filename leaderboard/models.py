@@ -231,24 +231,46 @@ class Drafter(models.Model):
         return self.name
 
 
-class RefusedSubmission(models.Model):
-    """An upload the checks refused: nothing of it is stored but this line, which counts
-    toward its owner's daily limit (SPECBOARD_SUBMISSIONS_PER_DAY) and tells staff what was
-    tried."""
-    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE,
-                              related_name="refused_submissions")
+class Submission(models.Model):
+    """One attempt to submit a drafter (an upload or a model-hub reference). The web request
+    only stages the files and records it as *checking*; an intake worker (the task
+    ``check_submission``, queue ``intake``: leaderboard/services/intake.py) checks and
+    converts it out of the web process and ends it *accepted* (its drafter stored, its run
+    queued), *refused* (its problems, by file and field; nothing else is kept) or *failed*
+    (the site could not check it: the hub was unreachable, or a fault). Checking and refused
+    attempts count toward the owner's daily limit (SPECBOARD_SUBMISSIONS_PER_DAY); an
+    accepted one counts as its drafter."""
+    CHECKING, ACCEPTED, REFUSED, FAILED = "checking", "accepted", "refused", "failed"
+    STATES = [(s, s) for s in (CHECKING, ACCEPTED, REFUSED, FAILED)]
+    FINISHED = (ACCEPTED, REFUSED, FAILED)
+
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
+                              on_delete=models.CASCADE, related_name="submissions")
     protocol = models.ForeignKey("Protocol", null=True, on_delete=models.SET_NULL,
                                  related_name="+")
     method = models.CharField(max_length=20)
     name = models.CharField(max_length=200)
-    problems = models.JSONField(default=list)
+    params = models.JSONField(default=dict, blank=True, help_text="checked method parameters")
+    details = models.JSONField(default=dict, blank=True,
+                               help_text="description, link, licence and claims, as submitted")
+    hub_reference = models.CharField(max_length=300, blank=True,
+                                     help_text="owner/name@revision, for a hub submission")
+    # [name in the checkpoint, storage name, size] of each uploaded file, until checked.
+    staged = models.JSONField(default=list, blank=True)
+    state = models.CharField(max_length=10, choices=STATES, default=CHECKING, db_index=True)
+    problems = models.JSONField(default=list, blank=True)
+    drafter = models.ForeignKey(Drafter, null=True, blank=True, on_delete=models.SET_NULL,
+                                related_name="submissions")
+    attempts = models.PositiveIntegerField(default=0, help_text="checks started (a worker "
+                                           "that died mid-check is replaced)")
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at"]
 
     def __str__(self):
-        return f"{self.name} ({self.method}), refused {self.created_at:%Y-%m-%d %H:%M}"
+        return f"{self.name} ({self.method}), {self.state} {self.created_at:%Y-%m-%d %H:%M}"
 
 
 class TrainingDataset(models.Model):

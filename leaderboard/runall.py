@@ -1,5 +1,6 @@
-"""`make run`: start the site, a CPU Celery worker (and the Gradio demo once it is
-installed) on the embedded default, print the URLs, and stop everything on Ctrl-C."""
+"""`make run`: start the site, a CPU Celery worker, an intake worker (the submissions'
+checks, queue ``intake``) and the Gradio demo once it is installed, on the embedded
+default; print the URLs, and stop everything on Ctrl-C."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from leaderboard.celery import INTAKE_QUEUE
 from worker.processes import stop_process_group
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,6 +43,9 @@ def main(argv=None):
         "web": [python, "manage.py", "runserver", "--noreload", f"{args.host}:{args.port}"],
         "worker": [python, "-m", "celery", "-A", "leaderboard", "worker", "-Q", args.queues,
                    "-c", "1", "--loglevel", "INFO", "-n", f"cpu@{os.uname().nodename}"],
+        # Its own worker: a submission is checked at once, not behind an hour's measurement.
+        "intake": [python, "-m", "celery", "-A", "leaderboard", "worker", "-Q", INTAKE_QUEUE,
+                   "-c", "1", "--loglevel", "INFO", "-n", f"intake@{os.uname().nodename}"],
     }
     demo_python = ROOT / ".venv-demo" / "bin" / "python"
     if demo_python.exists():
@@ -60,7 +65,8 @@ def main(argv=None):
     site = f"http://{args.host}:{args.port}/"
     if wait_for(site):
         print(f"\nSpecBoard is up:\n  site   {site}\n  admin  {site}admin/\n"
-              f"  API    {site}api/docs\n  worker queue {args.queues!r} (celery)", flush=True)
+              f"  API    {site}api/docs\n  workers: queue {args.queues!r} (measurements), "
+              f"queue {INTAKE_QUEUE!r} (submissions' checks)", flush=True)
         if "demo" in children:
             print(f"  demo   http://{args.host}:{args.demo_port}/ (also at {site}demo/)", flush=True)
         print("Ctrl-C stops everything.\n", flush=True)

@@ -31,7 +31,8 @@ from . import charts, pays, permissions, tokens
 from .selectors import accounts, board, drafters, protocols, shapes
 from .selectors import recipes as recipe_reads
 from .selectors import runs as run_reads
-from .services import submissions
+from .selectors import submissions as submission_reads
+from .services import intake, submissions
 from .forms import DrafterEditForm, SignupForm, SubmitForm, TokenForm
 from .models import Drafter, Run
 
@@ -324,31 +325,51 @@ def drafter_withdraw(request, slug):
 
 @login_required
 def submit(request):
+    """Only what is cheap is checked here (the form, the parameters, the daily limit); the
+    files are staged and checked by the intake worker (leaderboard/services/intake.py),
+    whose progress the submission's page shows."""
     form = SubmitForm(request.POST or None, request.FILES or None)
-    existing_url = None
     if request.method == "POST" and form.is_valid():
         data = form.cleaned_data
         uploads = [Upload(f.name, f, f.size) for f in data["files"]]
         try:
-            drafter, run = submissions.submit_drafter(
+            submission = intake.receive(
                 owner=request.user, protocol=data["protocol"], method=data["method"],
-                name=data["name"], uploads=uploads, params=form.params(),
-                description=data["description"], link=data["link"], licence=data["licence"],
+                name=data["name"], uploads=uploads, hub_reference=data["hub_reference"],
+                params=form.params(), description=data["description"], link=data["link"],
+                licence=data["licence"],
                 claimed_acceptance_length=data["claimed_acceptance_length"],
                 claimed_speedup=data["claimed_speedup"], claimed_source=data["claimed_source"])
         except submissions.SubmissionRefused as e:
-            if e.existing is not None and permissions.can_see(request.user, e.existing.review_state):
-                existing_url = reverse("drafter", args=[e.existing.slug])
-            form.add_problems(e.problems, existing_url)
+            form.add_problems(e.problems)
         else:
-            messages.success(request, f"{drafter.name} is submitted; run {run.pk} is queued on "
-                                      f"{run.hardware}.")
-            return redirect(reverse("queue") + f"#run-{run.pk}")
+            messages.success(request, f"{submission.name} is received and being checked; "
+                                      "this page follows the checks.")
+            return redirect("submission", pk=submission.pk)
         status = 400
     else:
         status = 400 if request.method == "POST" else 200
-    return render(request, "leaderboard/submit.html",
-                  {"form": form, "existing_url": existing_url}, status=status)
+    return render(request, "leaderboard/submit.html", {"form": form}, status=status)
+
+
+@login_required
+@require_GET
+def submission_detail(request, pk):
+    submission = submission_reads.for_viewer(request.user, pk)
+    if submission is None:
+        raise Http404("no such submission")   # another's: a 403 would confirm it exists
+    s = submission_reads.summary(submission)
+    if s["drafter"] and not permissions.can_see(request.user, s["drafter"]["review_state"]):
+        s["drafter"] = None
+    return render(request, "leaderboard/submission.html", {"s": s})
+
+
+@login_required
+@require_GET
+def submission_list(request):
+    return render(request, "leaderboard/submissions.html",
+                  {"submissions": submission_reads.of_owner(request.user),
+                   "checking": submission_reads.checking_count()})
 
 
 # ---- queue --------------------------------------------------------------------------
@@ -363,7 +384,11 @@ def queue(request):
         r["can_cancel"] = (r["state"] in (Run.QUEUED, Run.RUNNING)
                            and permissions.can_manage(user, r["owner_id"],
                                                       (r["drafter"] or {}).get("review_state")))
-    return render(request, "leaderboard/queue.html", {"q": data, "hardware": hardware})
+    mine = ([s for s in submission_reads.of_owner(user, limit=10)
+             if s["state"] == "checking"] if user.is_authenticated else [])
+    return render(request, "leaderboard/queue.html", {
+        "q": data, "hardware": hardware, "checking": submission_reads.checking_count(),
+        "my_checking": mine})
 
 
 # The largest id a database row can have (a 64-bit signed integer).

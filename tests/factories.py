@@ -201,3 +201,29 @@ def landing_cell(run, cell, quality=0.6):
     return CellResult(cell=cell, figures=figures, records=records,
                       outputs={r["prompt_id"]: r["output_token_ids"] for r in records},
                       checks={"ok": True, "failed": []})
+
+
+# ---- intake: what the intake worker does, in the test process -----------------------------
+
+def check_submissions(send=True) -> list:
+    """Check every submission still checking, as the intake worker's task does (its body,
+    leaderboard/services/intake.py ``check``; tests/test_intake.py runs a real worker)."""
+    from leaderboard.models import Submission
+    from leaderboard.services import intake
+
+    pending = Submission.objects.filter(state=Submission.CHECKING).order_by("pk")
+    return [intake.check(pk, send=send) for pk in list(pending.values_list("pk", flat=True))]
+
+
+def submitted(response):
+    """The submission a submit page's redirect (302) or the API's 202 names, checked by
+    the intake task's body; None when the submit was refused at once."""
+    from leaderboard.services import intake
+
+    if response.status_code == 302 and "/submissions/" in response["Location"]:
+        pk = int(response["Location"].rstrip("/").rsplit("/", 1)[-1])
+    elif response.status_code == 202:
+        pk = response.json()["id"]
+    else:
+        return None
+    return intake.check(pk)

@@ -22,7 +22,7 @@ from leaderboard.api import API_VERSION
 from leaderboard.api import auth as api_auth
 from leaderboard.api import results as api_results
 from leaderboard.middleware import FORM_OVERHEAD_BYTES
-from leaderboard.models import ApiToken, Drafter, DrafterFile, Result, Run
+from leaderboard.models import ApiToken, Drafter, DrafterFile, Result, Run, Submission
 from worker import metrics
 from worker.protocol import canonical_json
 
@@ -444,75 +444,110 @@ def stored(media):
     return [p for p in media.rglob("*") if p.is_file()] if media.exists() else []
 
 
+def checked(client, response, token):
+    """The 202's submission after the intake task's body has checked it, read back through
+    GET /api/submissions/{id} as a client polls it."""
+    assert response.status_code == 202, response.content
+    body = response.json()
+    assert body["state"] == "checking" and body["position"] >= 1
+    f.submitted(response)
+    return client.get(f"/api/submissions/{body['id']}", headers=bearer(token)).json()
+
+
 def test_submit_an_ngram_drafter_and_follow_its_run(users, board, media):
     from django.test import Client
 
     client = Client(enforce_csrf_checks=True)  # a token client sends no CSRF cookie
-    response = client.post("/api/drafters", submission(), headers=bearer(users["owner"][1]))
-    assert response.status_code == 201, response.content
-    body = response.json()
+    token = users["owner"][1]
+    response = client.post("/api/drafters", submission(), headers=bearer(token))
+    assert response.status_code == 202 and not Drafter.objects.filter(name="cli ngram").exists()
+    body = checked(client, response, token)
+    assert body["state"] == "accepted" and body["problems"] == [] and body["position"] is None
     drafter = Drafter.objects.get(slug=body["drafter"]["slug"])
     assert drafter.owner.username == "owner" and drafter.params == {
         "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     run = client.get(f"/api/runs/{body['run']['id']}").json()
     assert run["state"] == "queued" and run["drafter"]["slug"] == drafter.slug
-    assert run["position"] == body["run"]["position"] == 2  # after the board's queued run
+    assert run["position"] == 2  # after the board's queued run
+    # another user (not staff) cannot read it, and the list is one's own
+    other = client.get(f"/api/submissions/{body['id']}", headers=bearer(users["other"][1]))
+    assert other.status_code == 404
+    mine = client.get("/api/submissions", headers=bearer(token)).json()
+    assert [s["id"] for s in mine["items"]] == [body["id"]] and mine["checking"] == 0
+    assert client.get("/api/submissions", headers=bearer(users["other"][1])).json()["items"] == []
 
 
 def test_submit_a_draft_model_checkpoint(client, users, board, media):
+    token = users["other"][1]
     files = [upload("config.json", tiny_config()), upload("model.safetensors", tiny_weights())]
     response = client.post("/api/drafters", {**submission("draft_model", "tiny draft"),
-                                             "files": files},
-                           headers=bearer(users["other"][1]))
-    assert response.status_code == 201, response.content
-    drafter = Drafter.objects.get(slug=response.json()["drafter"]["slug"])
+                                             "files": files}, headers=bearer(token))
+    assert [f["name"] for f in response.json()["files"]] == ["config.json", "model.safetensors"]
+    body = checked(client, response, token)
+    assert body["state"] == "accepted", body
+    drafter = Drafter.objects.get(slug=body["drafter"]["slug"])
     assert sorted(drafter.files.values_list("name", flat=True)) == ["config.json",
                                                                     "model.safetensors"]
-    assert response.json()["drafter"]["total_bytes"] == sum(
-        drafter.files.values_list("size", flat=True))
-    # the same content again under the same protocol: a conflict naming the first one
+    page = client.get(f"/api/drafters/{drafter.slug}").json()
+    assert page["drafter"]["total_bytes"] == sum(drafter.files.values_list("size", flat=True))
+    # the same content again under the same protocol: refused, naming the first one
     again = client.post("/api/drafters", {
         **submission("draft_model", "copy"),
         "files": [upload("config.json", tiny_config()),
-                  upload("model.safetensors", tiny_weights())]},
-        headers=bearer(users["other"][1]))
-    assert again.status_code == 409
-    assert drafter.slug in problems(again)[0]["message"]
+                  upload("model.safetensors", tiny_weights())]}, headers=bearer(token))
+    refused = checked(client, again, token)
+    assert refused["state"] == "refused" and refused["drafter"] is None
+    assert drafter.slug in refused["problems"][0]["message"]
 
 
-@pytest.mark.parametrize("case", ["pickle", "wrong vocab", "form", "protocol", "method"])
-def test_a_refused_submission_is_a_422_naming_the_file_and_field(client, users, board, media,
-                                                                  case):
+@pytest.mark.parametrize("case", ["form", "protocol", "method", "ngram files", "hub"])
+def test_what_is_refused_at_once_is_a_422_naming_the_field(client, users, board, media, case):
     data = {
-        "pickle": {**submission("draft_model"), "files": [
-            upload("config.json", tiny_config()), upload("model.pt", b"\x80\x04")]},
-        "wrong vocab": {**submission("draft_model"), "files": [
-            upload("config.json", tiny_config(vocab_size=32)),
-            upload("model.safetensors", tiny_weights(vocab=32))]},
         "form": submission(claimed_speedup="2.0"),
         "protocol": submission(protocol="nope@3"),
         "method": submission(method="magic"),
+        "ngram files": {**submission(), "files": [upload("config.json", tiny_config())]},
+        "hub": submission("draft_model", hub_reference="not a repo"),
     }[case]
-    want = {"pickle": ("model.pt", "extension"),
-            "wrong vocab": ("config.json", "vocab_size"),
-            "form": ("(form)", "claimed_source"),
+    want = {"form": ("(form)", "claimed_source"),
             "protocol": ("(form)", "protocol"),
-            "method": ("(form)", "method")}[case]
+            "method": ("(form)", "method"),
+            "ngram files": ("config.json", "method"),
+            "hub": ("(hub)", "hub_reference")}[case]
     response = client.post("/api/drafters", data, headers=bearer(users["owner"][1]))
     assert response.status_code == 422, response.content
     assert want in {(p["file"], p["field"]) for p in problems(response)}
+    assert not Submission.objects.exists() and stored(media) == []
+
+
+@pytest.mark.parametrize("case", ["pickle", "wrong vocab"])
+def test_a_refused_checkpoint_is_a_refused_submission_naming_the_file_and_field(
+        client, users, board, media, case):
+    files = {
+        "pickle": [upload("config.json", tiny_config()), upload("model.pt", b"\x80\x04")],
+        "wrong vocab": [upload("config.json", tiny_config(vocab_size=32)),
+                        upload("model.safetensors", tiny_weights(vocab=32))],
+    }[case]
+    want = {"pickle": ("model.pt", "extension"), "wrong vocab": ("config.json", "vocab_size")}
+    token = users["owner"][1]
+    response = client.post("/api/drafters", {**submission("draft_model"), "files": files},
+                           headers=bearer(token))
+    body = checked(client, response, token)
+    assert body["state"] == "refused"
+    assert want[case] in {(p["file"], p["field"]) for p in body["problems"]}
     assert Drafter.objects.filter(name="cli ngram").count() == 0
     assert not DrafterFile.objects.exists() and stored(media) == []
 
 
 def test_an_upload_over_the_size_limit_is_a_413(client, users, board, media, settings):
     settings.SPECBOARD_MAX_UPLOAD_BYTES = 2000
+    token = users["owner"][1]
     # over the limit by its declared length: refused before the body is read
     big = upload("model.safetensors", b"\0" * (FORM_OVERHEAD_BYTES + 4000))
     response = client.post("/api/drafters", {**submission("draft_model"),
                                               "files": [upload("config.json", tiny_config()),
                                                         big]},
-                           headers=bearer(users["owner"][1]))
+                           headers=bearer(token))
     assert response.status_code == 413
     assert problems(response)[0]["field"] == "size"
     # under the declared-length check, over the limit once read: the checkpoint's own check
@@ -520,26 +555,26 @@ def test_an_upload_over_the_size_limit_is_a_413(client, users, board, media, set
                                               "files": [upload("config.json", tiny_config()),
                                                         upload("model.safetensors",
                                                                tiny_weights())]},
-                           headers=bearer(users["owner"][1]))
-    assert response.status_code == 413
-    assert ("model.safetensors", "size") in {(p["file"], p["field"])
-                                             for p in problems(response)}
+                           headers=bearer(token))
+    body = checked(client, response, token)
+    assert body["state"] == "refused"
+    assert ("model.safetensors", "size") in {(p["file"], p["field"]) for p in body["problems"]}
     assert not DrafterFile.objects.exists() and stored(media) == []
 
 
 def test_submissions_over_the_daily_limit_are_a_429(client, users, board, media, settings):
     settings.SPECBOARD_SUBMISSIONS_PER_DAY = 1  # "other" owns no drafter yet
     ok = client.post("/api/drafters", submission(name="one"), headers=bearer(users["other"][1]))
-    assert ok.status_code == 201
+    assert ok.status_code == 202
     refused = client.post("/api/drafters", submission(name="two", prompt_lookup_min="2"),
                           headers=bearer(users["other"][1]))
     assert refused.status_code == 429
     (p,) = problems(refused)
     assert p["field"] == "rate limit" and "SPECBOARD_SUBMISSIONS_PER_DAY" in p["message"]
-    assert not Drafter.objects.filter(name="two").exists()
+    assert not Submission.objects.filter(name="two").exists()
     staff = client.post("/api/drafters", submission(name="staff two", prompt_lookup_min="2"),
                         headers=bearer(users["staff"][1]))
-    assert staff.status_code == 201  # staff are not limited
+    assert staff.status_code == 202  # staff are not limited
 
 
 # ---- fuzz ---------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Headless Chromium against a live server: sign up, submit an n-gram configuration, see
+"""Headless Chromium against a live server: sign up, submit an n-gram configuration (its
+submission page follows the intake check), see
 the run in the queue with live progress, then (a worker's results simulated with test data
 from tests/factories.py) the leaderboard and the drafter page with charts that hold data."""
 import os
@@ -103,9 +104,17 @@ def test_sign_up_submit_follow_the_queue_and_see_the_charts(
     page.fill("#id_prompt_lookup_min", "2")
     page.fill("#id_prompt_lookup_max", "4")
     page.click("#submit-form button[type=submit]")
-    page.wait_for_url("**/queue/**")
+    # answered at once: the submission's page, checking, follows the intake worker
+    page.wait_for_url("**/submissions/*/")
+    assert page.inner_text("#submission-state") == "checking"
+    assert not Drafter.objects.filter(name="Browser n-gram 2-4").exists()
+    f.check_submissions()   # the intake task's body (tests/test_intake.py: a real worker)
+    page.wait_for_selector("#accepted", timeout=15000)   # the page reloads itself
+    page.screenshot(path=str(artifacts_dir / "submission.png"), full_page=True)
     drafter = Drafter.objects.get(name="Browser n-gram 2-4")
     run = Run.objects.get(drafter=drafter)
+    page.click("#accepted a:has-text('queue')")
+    page.wait_for_url("**/queue/**")
     assert drafter.owner.username == "grace" and run.hardware == QUEUE
     row = page.locator(f"#run-{run.pk}")
     assert "queued" in row.inner_text() and "Browser n-gram 2-4" in row.inner_text()

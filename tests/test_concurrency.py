@@ -1,6 +1,7 @@
-"""Concurrent writes through a real threaded server: twenty identical n-gram submissions
-sent at once give one 201 and nineteen 409s in the API's error shape, never a 500 (on
-SQLite: WAL, a busy timeout and IMMEDIATE transactions, leaderboard/env.py)."""
+"""Concurrent writes: twenty identical n-gram submissions sent at once through a real
+threaded server are all received (202, never a 500), and twenty intake checks of them run
+at once (as twenty intake workers would) accept exactly one and refuse nineteen as
+duplicates (on SQLite: WAL, a busy timeout and IMMEDIATE transactions, leaderboard/env.py)."""
 import json
 import threading
 import urllib.error
@@ -9,10 +10,11 @@ import urllib.request
 
 import pytest
 from django.contrib.auth.models import User
-from django.db import connection
+from django.db import connection, connections
 
 from leaderboard import tokens
-from leaderboard.models import Drafter, Run
+from leaderboard.models import Drafter, Run, Submission
+from leaderboard.services import intake
 
 from . import factories as f
 
@@ -46,7 +48,25 @@ def test_the_embedded_database_is_in_wal_mode_with_immediate_transactions():
     assert connection.settings_dict["OPTIONS"]["transaction_mode"] == "IMMEDIATE"
 
 
-def test_twenty_identical_submissions_at_once_give_one_201_and_nineteen_409(
+def at_once(work, n):
+    """Run work(i) for i < n in n threads released together; each closes its connection."""
+    start = threading.Barrier(n)
+
+    def run(i):
+        start.wait()
+        try:
+            work(i)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+
+
+def test_twenty_identical_submissions_at_once_give_one_drafter_and_nineteen_refusals(
         live_server, settings, tmp_path):
     settings.SPECBOARD_SUBMISSIONS_PER_DAY = 0
     target = f.make_target()
@@ -56,22 +76,20 @@ def test_twenty_identical_submissions_at_once_give_one_201_and_nineteen_409(
     data = {"protocol": "pages@1", "method": "ngram", "name": "same ngram",
             "prompt_lookup_min": "1", "prompt_lookup_max": "3"}
     url = live_server.url + "/api/drafters"
-    start = threading.Barrier(N)
     answers = [None] * N
 
     def send(i):
-        start.wait()
         answers[i] = post(url, data, token)
 
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(N)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    codes = sorted(code for code, _ in answers)
-    assert codes == [201] + [409] * (N - 1), answers
-    for code, body in answers:
-        if code == 409:
-            assert set(body) == {"detail"} and body["detail"][0]["message"], body
+    at_once(send, N)
+    assert sorted(code for code, _ in answers) == [202] * N, answers
+    ids = [body["id"] for _, body in answers]
+    assert len(set(ids)) == N and all(b["state"] == "checking" for _, b in answers)
+
+    at_once(lambda i: intake.check(ids[i], send=False), N)
+    states = sorted(Submission.objects.filter(pk__in=ids).values_list("state", flat=True))
+    assert states == ["accepted"] + ["refused"] * (N - 1)
+    for s in Submission.objects.filter(state="refused"):
+        assert s.drafter_id is None and s.problems[0]["field"] == "content_sha256", s.problems
     assert Drafter.objects.filter(method="ngram").count() == 1
     assert Run.objects.filter(drafter__isnull=False).count() == 1

@@ -212,9 +212,13 @@ def test_rejected_content_cannot_come_back_under_a_new_name(client, rejected, se
         "protocol": "pages@1", "method": "ngram", "name": "a fresh name",
         "prompt_lookup_min": "1", "prompt_lookup_max": "3"},
         headers={"Authorization": f"Bearer {rejected['token']}"})
-    assert response.status_code == 409
-    assert "rejected" in response.json()["detail"][0]["message"]
-    assert d.slug not in response.content.decode()
+    assert response.status_code == 202
+    f.submitted(response)
+    checked = client.get(f"/api/submissions/{response.json()['id']}",
+                         headers={"Authorization": f"Bearer {rejected['token']}"})
+    assert checked.json()["state"] == "refused"
+    assert "rejected" in checked.json()["problems"][0]["message"]
+    assert d.slug not in checked.content.decode()
     assert (Drafter.objects.count(), Run.objects.count()) == before
 
 

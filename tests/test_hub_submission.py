@@ -1,5 +1,5 @@
 """A drafter submitted by model-hub reference (`manage.py submit_drafter`,
-leaderboard/services/submissions.py `submit_from_hub`), served by the stand-in hub
+leaderboard/services/intake.py, checked in the command), served by the stand-in hub
 (tests/hub_standin.py through HF_ENDPOINT): the shipped EAGLE-3 head as its authors would
 publish it in the speculators format, pinned to the commit the branch named at submission.
 Its stored tensors and config are those of the same files uploaded (content hash), which

@@ -1,7 +1,9 @@
-"""Submission through the submit page: every validation rule of worker/checkpoint/ reached
-with a crafted bad upload (refused with a message naming the file; nothing stored: no rows,
-no files under MEDIA_ROOT), a real draft model cut from the demo target accepted and
-queued, duplicates, the rate limit and the n-gram parameters."""
+"""Submission through the submit page: the page answers at once (the submission *checking*,
+its files staged) and the intake task checks it (``f.submitted``: the task's body, here in
+the test process; tests/test_intake.py runs a real intake worker). Every validation rule of
+worker/checkpoint/ reached with a crafted bad upload (refused with a message naming the file;
+nothing stored: no drafter rows, no files under MEDIA_ROOT), a real draft model cut from the
+demo target accepted and queued, duplicates, the rate limit and the n-gram parameters."""
 import hashlib
 import io
 import json
@@ -19,7 +21,7 @@ from django.urls import reverse
 from safetensors.numpy import save as st_save
 
 from leaderboard.services import runs, submissions
-from leaderboard.models import Drafter, DrafterFile, Run, Target
+from leaderboard.models import Drafter, DrafterFile, Run, Submission, Target
 from worker.checkpoint import Upload
 
 from . import factories as f
@@ -143,28 +145,39 @@ def test_a_bad_upload_is_refused_naming_the_file_and_nothing_is_stored(
     if case == "oversize":
         settings.SPECBOARD_MAX_UPLOAD_BYTES = 2000
     response = client.post(reverse("submit"), form_data(protocol, files=make_files()))
-    assert response.status_code == 400
-    errors = response.context["form"].errors["files"]
-    assert any(filename in e and hint.lower() in e.lower() for e in errors), errors
-    html = response.content.decode()
-    # shown next to the file input
-    files_block = html[html.index('id="field-files"'):]
-    files_block = files_block[:files_block.index("</fieldset>")]
-    assert filename in files_block and 'class="errors"' in files_block
+    assert response.status_code == 302 and Drafter.objects.count() == 0
+    submission = f.submitted(response)
+    assert submission.state == Submission.REFUSED
+    said = [f"{p['file']} {p.get('member')} {p['field']}: {p['message']}".lower()
+            for p in submission.problems]
+    assert any(filename.lower() in line and hint.lower() in line for line in said), said
+    html = client.get(response["Location"]).content.decode()
+    # every problem in the page's table, by file and field
+    table = html[html.index('id="problems"'):html.index("</table>")]
+    assert filename in table and 'id="refused"' in html
     assert Drafter.objects.count() == 0 and DrafterFile.objects.count() == 0
     assert Run.objects.count() == 0
-    assert stored_files(media) == []
+    assert stored_files(media) == []   # the staged upload is removed too
 
 
 def test_a_valid_tiny_draft_model_is_stored_and_queued(
         client, user, protocol, media, django_capture_on_commit_callbacks):
     weights = tiny_weights()
-    with django_capture_on_commit_callbacks(execute=False) as callbacks:
+    with django_capture_on_commit_callbacks(execute=False) as sent:
         response = client.post(reverse("submit"), form_data(
             protocol, files=[upload("config.json", tiny_config()),
                              upload("model.safetensors", weights)], k="4"))
     assert response.status_code == 302, response.content.decode()[-3000:]
+    # answered at once: staged and sent to the intake queue, nothing checked or stored yet
+    assert len(sent) == 1 and Drafter.objects.count() == 0
+    checking = client.get(response["Location"]).content.decode()
+    assert 'id="checking"' in checking and "Position in the intake queue: <b>1</b>" in checking
+    assert '<meta http-equiv="refresh"' in checking
+    with django_capture_on_commit_callbacks(execute=False) as callbacks:
+        submission = f.submitted(response)
+    assert submission.state == Submission.ACCEPTED, submission.problems
     drafter = Drafter.objects.get()
+    assert submission.drafter == drafter
     assert drafter.owner == user and drafter.params == {}  # k is checked, every k measured
     files = {df.name: df for df in drafter.files.all()}
     assert set(files) == {"config.json", "model.safetensors"}
@@ -173,13 +186,18 @@ def test_a_valid_tiny_draft_model_is_stored_and_queued(
         assert hashlib.sha256(fh.read()).hexdigest() == stored.sha256 == \
             hashlib.sha256(weights).hexdigest()
     assert str(Path(stored.file.path).resolve()).startswith(str(media.resolve()))
+    # only the drafter's files remain: the staged copies are gone
+    assert {p.name for p in stored_files(media)} == {Path(df.file.name).name
+                                                    for df in drafter.files.all()}
     # the drafter's run and the protocol's baseline are queued, and sent on commit
     run = Run.objects.get(drafter=drafter)
     assert run.state == Run.QUEUED and run.hardware == "submit-test"
     assert Run.objects.filter(drafter__isnull=True, protocol=protocol).count() == 1
     assert len(callbacks) == 2
-    assert response["Location"].endswith(f"#run-{run.pk}")
-    queue_html = client.get(response["Location"].split("#")[0]).content.decode()
+    page = client.get(response["Location"]).content.decode()
+    assert 'id="accepted"' in page and drafter.slug in page and f"run #{run.pk}" in page
+    assert "refresh" not in page
+    queue_html = client.get(reverse("queue")).content.decode()
     assert f'id="run-{run.pk}"' in queue_html and "tiny draft" in queue_html
 
 
@@ -187,18 +205,20 @@ def test_the_same_content_under_the_same_protocol_is_refused_with_a_link(
         client, user, protocol, media):
     files = lambda: [upload("config.json", tiny_config()),  # noqa: E731
                      upload("model.safetensors", tiny_weights())]
-    assert client.post(reverse("submit"), form_data(protocol, files=files())).status_code == 302
+    assert f.submitted(client.post(reverse("submit"), form_data(
+        protocol, files=files()))).state == Submission.ACCEPTED
     first = Drafter.objects.get()
     before = stored_files(media)
     response = client.post(reverse("submit"), form_data(protocol, name="again", files=files()))
-    assert response.status_code == 400
-    html = response.content.decode()
+    again = f.submitted(response)
+    assert again.state == Submission.REFUSED
+    html = client.get(response["Location"]).content.decode()
     assert reverse("drafter", args=[first.slug]) in html and "already" in html
     assert Drafter.objects.count() == 1 and stored_files(media) == before
     # the same files for another protocol of the target are a new entry
     other = f.make_protocol(protocol.target, slug="other", hardware="submit-test")
-    assert client.post(reverse("submit"), form_data(other, name="again",
-                                                    files=files())).status_code == 302
+    assert f.submitted(client.post(reverse("submit"), form_data(
+        other, name="again", files=files()))).state == Submission.ACCEPTED
 
 
 def test_ngram_parameters_are_checked_next_to_their_fields(client, user, protocol, media):
@@ -224,7 +244,7 @@ def test_ngram_parameters_are_checked_next_to_their_fields(client, user, protoco
     response = client.post(reverse("submit"), form_data(
         protocol, method="ngram", name="lookup 2-4", prompt_lookup_min="2",
         prompt_lookup_max="4", k="2"))
-    assert response.status_code == 302
+    assert f.submitted(response).state == Submission.ACCEPTED
     d = Drafter.objects.get()
     assert d.params == {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
     # what is stored, the engines take (worker/methods/)
@@ -235,7 +255,8 @@ def test_ngram_parameters_are_checked_next_to_their_fields(client, user, protoco
     again = client.post(reverse("submit"), form_data(
         protocol, method="ngram", name="lookup again", prompt_lookup_min="2",
         prompt_lookup_max="4", k="2"))
-    assert again.status_code == 400 and reverse("drafter", args=[d.slug]) in again.content.decode()
+    assert f.submitted(again).state == Submission.REFUSED
+    assert reverse("drafter", args=[d.slug]) in client.get(again["Location"]).content.decode()
 
 
 def test_the_form_checks_protocol_target_and_claims(client, user, protocol):
@@ -255,11 +276,16 @@ def test_submissions_per_day_are_limited(client, user, protocol, settings):
     ok = client.post(reverse("submit"), form_data(protocol, method="ngram", name="one",
                                                   prompt_lookup_min="1", prompt_lookup_max="2"))
     assert ok.status_code == 302
+    # one being checked counts already
     refused = client.post(reverse("submit"), form_data(protocol, method="ngram", name="two",
                                                        prompt_lookup_min="2", prompt_lookup_max="3"))
     assert refused.status_code == 429
     assert "SPECBOARD_SUBMISSIONS_PER_DAY" in refused.content.decode()
-    assert Drafter.objects.count() == 1
+    assert f.submitted(ok).state == Submission.ACCEPTED
+    assert client.post(reverse("submit"), form_data(
+        protocol, method="ngram", name="two", prompt_lookup_min="2",
+        prompt_lookup_max="3")).status_code == 429
+    assert Drafter.objects.count() == 1 and Submission.objects.count() == 1
 
 
 def test_an_oversize_upload_is_refused_before_its_body_is_read(client, user, protocol,
@@ -336,12 +362,13 @@ def test_a_real_two_layer_draft_model_of_the_demo_target_is_accepted_and_queued(
     assert {n.split(".")[2] for n in header if n.startswith("model.layers.")} == {"0", "1"}
     draft_cfg = dict(cfg, num_hidden_layers=2)
     weights = (tmp_path / "model.safetensors").read_bytes()
-    with django_capture_on_commit_callbacks(execute=False) as callbacks:
-        response = client.post(reverse("submit"), form_data(
-            protocol, name="SmolLM2 2-layer draft", files=[
-                upload("config.json", json.dumps(draft_cfg).encode()),
-                upload("model.safetensors", weights)]))
+    response = client.post(reverse("submit"), form_data(
+        protocol, name="SmolLM2 2-layer draft", files=[
+            upload("config.json", json.dumps(draft_cfg).encode()),
+            upload("model.safetensors", weights)]))
     assert response.status_code == 302, response.context["form"].errors
+    with django_capture_on_commit_callbacks(execute=False) as callbacks:
+        assert f.submitted(response).state == Submission.ACCEPTED
     drafter = Drafter.objects.get(name="SmolLM2 2-layer draft")
     stored = drafter.files.get(name="model.safetensors")
     assert stored.size == len(weights) == os.path.getsize(stored.file.path)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ninja import NinjaAPI
 
-from . import analysis, auth, catalog, drafters, results, runs
+from . import analysis, auth, catalog, drafters, results, runs, submissions
 from .errors import add_exception_handlers
 
 API_VERSION = "1.0.0"
@@ -27,10 +27,15 @@ Everything the SpecBoard site shows, as JSON or CSV.
   (no pagination), with a file name naming the protocol and the date.
 * **Writes** need an API token: `Authorization: Bearer TOKEN`. Create one on the account
   settings page or with `python manage.py api_token USERNAME`.
+* **Submitting** (`POST /api/drafters`, files or a model-hub reference) answers 202 with
+  the submission in the state `checking`: the intake worker checks it out of the web
+  process. Poll `GET /api/submissions/{id}` until it is `accepted` (its drafter and run) or
+  `refused` (every problem by file and field; nothing stored).
 * **Errors** always answer `{"detail": [{"file", "member", "field", "message"}]}`: 401 no,
   unknown or revoked token; 403 not the owner (nor staff); 404 no such object; 409 a
-  conflict (duplicate drafter, finished run); 413 upload over the size limit; 422 invalid
-  parameters or a refused checkpoint; 429 too many submissions in 24 hours.
+  conflict (a finished run); 413 upload over the size limit; 422 invalid parameters; 429
+  too many submissions in 24 hours. A checkpoint's own problems (and a duplicate) are
+  the refused submission's `problems`.
 """
 
 
@@ -57,5 +62,5 @@ class SpecBoardAPI(NinjaAPI):
 api = SpecBoardAPI(title="SpecBoard API", version=API_VERSION, description=DESCRIPTION,
                    urls_namespace="api")
 add_exception_handlers(api)
-for area in (catalog, analysis, drafters, runs, results, auth):
+for area in (catalog, analysis, drafters, submissions, runs, results, auth):
     api.add_router("", area.router)

@@ -1,5 +1,6 @@
 """Drafters: the list and one drafter's page, and the owner's writes: submit one
-(multipart upload) and withdraw it. Reads and writes share this router because ninja
+(multipart upload or hub reference; checked by the intake worker: leaderboard/api/submissions.py
+follows it) and withdraw it. Reads and writes share this router because ninja
 gives each router its own URL patterns: GET and POST /drafters must be in one."""
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from worker.checkpoint import Upload
 from .. import permissions
 from ..selectors import drafters, protocols
 from ..selectors import runs as run_reads
-from ..services import submissions
+from ..services import intake, submissions
 from ..forms import SubmitForm
 from ..models import Drafter, Target
 from .auth import submit_auth, token_auth
@@ -24,6 +25,7 @@ from .catalog import TargetRef
 from .common import INT_MAX, METHODS, PROTOCOL_REF, SLUG, Out, PageOut, PageQuery
 from .errors import ApiError, error_responses, not_found, not_manager, problem
 from .runs import RunOut, api_run
+from .submissions import SubmissionOut, api_submission
 
 router = Router()
 
@@ -183,6 +185,9 @@ class SubmitIn(Schema):
         None, description="ngram only: 1-16")
     prompt_lookup_max: Annotated[int, Field(ge=-INT_MAX, le=INT_MAX)] | Opt = Field(
         None, description="ngram only: 1-16, >= the min")
+    hub_reference: str = Field("", max_length=300, description=(
+        "owner/name or owner/name@revision (a branch, a tag or a commit hash) on the model "
+        "hub, instead of files: the revision is pinned to its commit, which is measured"))
 
     @field_validator("target", "claimed_acceptance_length", "claimed_speedup", "k",
                      "prompt_lookup_min", "prompt_lookup_max", mode="before")
@@ -193,7 +198,7 @@ class SubmitIn(Schema):
 
 FORM_FIELDS = ("method", "name", "description", "link", "licence", "claimed_acceptance_length",
                "claimed_speedup", "claimed_source", "k", "prompt_lookup_min",
-               "prompt_lookup_max")
+               "prompt_lookup_max", "hub_reference")
 
 
 def _form_problems(form) -> list[dict]:
@@ -207,15 +212,20 @@ def _form_problems(form) -> list[dict]:
 
 
 @router.post("/drafters",
-             response={201: SubmitOut, **error_responses(401, 409, 413, 422, 429, 507)},
+             response={202: SubmissionOut, **error_responses(401, 413, 422, 429, 507)},
              auth=submit_auth, tags=["writes"], summary="Submit a drafter (multipart)")
 def submit(request, data: Form[SubmitIn],
            files: list[UploadedFile] = File(None, description=(
-               "checkpoint files: config.json plus *.safetensors, or one .zip / .tar.gz "
-               "archive; none for ngram"))):
-    """The same validation as the submit page (worker/checkpoint/ through
-    leaderboard/services/submissions.py): config.json plus *.safetensors as several `files`, or one
-    .zip / .tar.gz; no files for ngram. Nothing is stored when it is refused."""
+               "checkpoint files: config.json plus *.safetensors (or a published format: "
+               "speculators, pytorch_model.bin, medusa_lm_head.pt) as several `files`, or "
+               "one .zip / .tar.gz archive; none for ngram or with hub_reference"))):
+    """The same form as the submit page. What is cheap is checked at once (422: the form,
+    the method's parameters, a malformed hub reference; 429: the daily limit); the files are
+    staged and answered with 202 and the submission in the state "checking". The intake
+    worker then checks and converts them (worker/checkpoint/, in a sandboxed child) or
+    fetches the hub reference's files at its commit: poll GET /api/submissions/{id} until it
+    is accepted (its drafter, and the run measuring it) or refused (every problem by file
+    and field; nothing stored)."""
     protocol = protocols.get_protocol(data.protocol)
     if protocol is None:
         raise ApiError(422, problem("(form)", "protocol", f"no protocol {data.protocol!r}: "
@@ -233,16 +243,15 @@ def submit(request, data: Form[SubmitIn],
     if not form.is_valid():
         raise ApiError(422, *_form_problems(form))
     cleaned = form.cleaned_data
-    drafter, run = submissions.submit_drafter(
+    submission = intake.receive(
         owner=request.auth, protocol=cleaned["protocol"], method=cleaned["method"],
         name=cleaned["name"], uploads=[Upload(f.name, f, f.size) for f in cleaned["files"]],
-        params=form.params(), description=cleaned["description"], link=cleaned["link"],
-        licence=cleaned["licence"],
+        hub_reference=cleaned["hub_reference"], params=form.params(),
+        description=cleaned["description"], link=cleaned["link"], licence=cleaned["licence"],
         claimed_acceptance_length=cleaned["claimed_acceptance_length"],
         claimed_speedup=cleaned["claimed_speedup"], claimed_source=cleaned["claimed_source"])
-    page = drafters.drafter_page(drafter.slug)
-    return Status(201, {"drafter": page["drafter"],
-                        "run": api_run(run_reads.run_with_position(run.pk))})
+    submission.refresh_from_db()
+    return Status(202, api_submission(request.auth, submission))
 
 
 @router.post("/drafters/{slug}/withdraw",

@@ -1,6 +1,7 @@
-"""Submission services: turn an upload into a Drafter with its files and a queued run, and
-the owner's later edits (edit, withdraw, cancel). The submit page and the REST API both
-call `submit_drafter`.
+"""Submission services: turn checkpoint files into a Drafter with its files and a queued run,
+and the owner's later edits (edit, withdraw, cancel). The submit page, the REST API and the
+submit_drafter command go through intake (leaderboard/services/intake.py), whose worker calls
+`submit_drafter`; the site's own drafters (setup_demo, training) call it directly.
 
 A refused submission stores nothing: the files are validated by worker.checkpoint in a
 temporary directory first; only then are they written through Django's default storage,
@@ -26,7 +27,7 @@ from worker.checkpoint.sandboxed import validate_in_sandbox
 from worker.protocol import canonical_json
 
 from . import runs
-from ..models import Drafter, DrafterFile, Protocol, RefusedSubmission, Run
+from ..models import Drafter, DrafterFile, Protocol, Run, Submission
 
 EDITABLE_FIELDS = ("name", "description", "link", "licence", "claimed_acceptance_length",
                    "claimed_speedup", "claimed_source")
@@ -46,15 +47,31 @@ class SubmissionRefused(Exception):
         return [p.as_dict() for p in self.problems]
 
 
+class AlreadyEnded(Exception):
+    """Another check of the same submission ended it first: this one stores nothing."""
+
+
+def accept_submission(submission: Submission, drafter: Drafter) -> None:
+    """Inside the transaction that stores the drafter: the intake submission ends accepted
+    with it, or the transaction is undone (AlreadyEnded) when another check of it ended it
+    first, so a submission checked twice at once stores one drafter."""
+    ended = (Submission.objects.filter(pk=submission.pk, state=Submission.CHECKING)
+             .update(state=Submission.ACCEPTED, drafter=drafter, problems=[],
+                     finished_at=timezone.now()))
+    if not ended:
+        raise AlreadyEnded(submission.pk)
+
+
 def check_rate_limit(user):
-    """Drafters stored and uploads refused both count: a refused upload cost the checks as
-    much as an accepted one."""
+    """Drafters stored, and submissions being checked or refused, all count: a refused
+    upload cost the checks as much as an accepted one."""
     limit = settings.SPECBOARD_SUBMISSIONS_PER_DAY
     if not limit or user.is_staff:
         return
     since = timezone.now() - timedelta(days=1)
     recent = Drafter.objects.filter(owner=user, created_at__gte=since)
-    refused = RefusedSubmission.objects.filter(owner=user, created_at__gte=since)
+    refused = Submission.objects.filter(owner=user, created_at__gte=since,
+                                        state__in=(Submission.CHECKING, Submission.REFUSED))
     n = recent.count() + refused.count()
     if n >= limit:
         oldest = min(t for t in (
@@ -64,8 +81,8 @@ def check_rate_limit(user):
         wait = max(int((oldest + timedelta(days=1) - timezone.now()).total_seconds() // 60), 1)
         raise SubmissionRefused([Problem(
             "(submission)", "rate limit",
-            f"you have submitted {n} drafters in the last 24 hours (refused uploads "
-            f"included), the limit is {limit} "
+            f"you have submitted {n} drafters in the last 24 hours (refused ones and "
+            f"ones being checked included), the limit is {limit} "
             f"(SPECBOARD_SUBMISSIONS_PER_DAY): try again in {wait} minutes")])
 
 
@@ -154,8 +171,8 @@ def submit_drafter(*, owner, protocol: Protocol, method: str, name: str, uploads
                    licence: str = "", claimed_acceptance_length: float | None = None,
                    claimed_speedup: float | None = None, claimed_source: str = "",
                    send: bool = True, extra_fields: dict | None = None,
-                   queue: bool = True, provenance: dict | None = None
-                   ) -> tuple[Drafter, Run | None]:
+                   queue: bool = True, provenance: dict | None = None,
+                   submission: Submission | None = None) -> tuple[Drafter, Run | None]:
     """Validate and store a drafter for `protocol`'s target and queue its run.
 
     `uploads`: (name, file object or path, size) triples (worker.checkpoint.Upload). Raises
@@ -165,18 +182,17 @@ def submit_drafter(*, owner, protocol: Protocol, method: str, name: str, uploads
     leaderboard/services/training.py); a drafter without an owner (a site baseline) has no rate limit.
     ``queue=False`` registers the drafter without a run (None is returned for it): setup_demo
     registers the shipped drafters so, and queues them after the n-gram run.
-    ``provenance``: more of Drafter.intake (where the files came from: ``submit_from_hub``)."""
-    if owner is not None:
+    ``provenance``: more of Drafter.intake (where the files came from: the hub's commit).
+    ``submission``: the intake Submission being checked (its daily limit was checked when
+    it was received); it ends accepted in the transaction that stores the drafter."""
+    if owner is not None and submission is None:
         check_rate_limit(owner)
     params = check_params(method, params or {}, protocol)
     try:
-        # In a child under hard limits: the upload is never parsed by this (web) process.
+        # In a child under hard limits: the files are never parsed by this process.
         ckpt = validate_in_sandbox(list(uploads), method, target_facts(protocol),
                                    max_total_bytes=settings.SPECBOARD_MAX_UPLOAD_BYTES)
     except CheckpointRejected as e:
-        if owner is not None:
-            RefusedSubmission.objects.create(owner=owner, protocol=protocol, method=method,
-                                             name=name[:200], problems=e.as_dicts())
         raise SubmissionRefused(e.problems) from None
     stored = []
     try:
@@ -197,6 +213,8 @@ def submit_drafter(*, owner, protocol: Protocol, method: str, name: str, uploads
                 claimed_acceptance_length=claimed_acceptance_length,
                 claimed_speedup=claimed_speedup, claimed_source=claimed_source,
                 **(extra_fields or {}))
+            if submission is not None:
+                accept_submission(submission, drafter)
             for i, f in enumerate(ckpt.files):
                 name = storage_name(content, i, f.name)
                 # A new name is listed before it is written: a write cut short (a full disk)
@@ -228,40 +246,6 @@ def submit_drafter(*, owner, protocol: Protocol, method: str, name: str, uploads
     finally:
         ckpt.cleanup()
     return drafter, run
-
-
-def submit_from_hub(*, reference: str, owner, protocol: Protocol, method: str, name: str,
-                    **fields) -> tuple[Drafter, Run | None]:
-    """``submit_drafter`` for a checkpoint on the model hub, ``owner/name[@revision]``: the
-    revision is resolved to its commit, the files are judged by name and size and the
-    safetensors headers read before anything is downloaded (worker/hub.py), then only the
-    files to keep, at that commit, are fetched into a temporary folder and submitted. The
-    drafter's ``intake["hub"]`` records the repository, the revision and the commit: what is
-    measured. Long (a download): call it from a command or a worker, not a web request."""
-    import tempfile
-
-    from worker import hub
-
-    try:
-        repo_id, revision = hub.parse_reference(reference)
-    except ValueError as e:
-        raise SubmissionRefused([Problem("(hub)", "reference", str(e))]) from None
-    if owner is not None:
-        check_rate_limit(owner)
-    try:
-        found = hub.inspect(repo_id, revision, token=settings.SPECBOARD_HF_TOKEN or None,
-                            max_total_bytes=settings.SPECBOARD_MAX_UPLOAD_BYTES)
-        with tempfile.TemporaryDirectory(prefix="specboard-hub-") as folder:
-            uploads = hub.download(found, folder)
-            return submit_drafter(
-                owner=owner, protocol=protocol, method=method, name=name, uploads=uploads,
-                provenance={"hub": {"repo_id": found.repo_id, "revision": found.revision,
-                                    "commit": found.commit}}, **fields)
-    except CheckpointRejected as e:
-        raise SubmissionRefused(e.problems) from None
-    except hub.HubError as e:
-        raise SubmissionRefused([Problem("(hub)", "hub", f"{e}: nothing was stored; try "
-                                         "again later")]) from None
 
 
 def update_drafter(drafter: Drafter, **changes) -> Drafter:

@@ -94,9 +94,9 @@ the caller removes it with ``cleanup()`` (or by using the result as a context ma
 """
 from worker.checkpoint.results import (CheckpointFile, CheckpointRejected, Problem, TargetFacts,
                                        Upload, ValidatedCheckpoint)
-from worker.checkpoint.validate import (checkpoint_content_sha256, validate_checkpoint,
-                                        validate_method_params)
+from worker.checkpoint.validate import (check_files_given, checkpoint_content_sha256,
+                                        validate_checkpoint, validate_method_params)
 
 __all__ = ["CheckpointFile", "CheckpointRejected", "Problem", "TargetFacts", "Upload",
-           "ValidatedCheckpoint", "checkpoint_content_sha256", "validate_checkpoint",
+           "ValidatedCheckpoint", "check_files_given", "checkpoint_content_sha256", "validate_checkpoint",
            "validate_method_params"]

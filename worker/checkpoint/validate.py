@@ -16,6 +16,26 @@ from worker.safetensors_header import tensor_digests
 from worker.safetensors_header import is_int
 
 
+def check_files_given(method: str, names: list[str], hub_reference: str = "") -> None:
+    """By names alone: the method is known, and it has files (or a hub reference) exactly
+    when it needs weights. The submit page checks this at once; the full checks again."""
+    if method not in methods.DRAFTER_METHODS:
+        raise CheckpointRejected([Problem("(method)", "method", f"unknown method {method!r}: "
+                                          f"use one of {', '.join(methods.DRAFTER_METHODS)}")])
+    if not methods.get(method).needs_weights:
+        if names or hub_reference:
+            raise CheckpointRejected(
+                [Problem(name, "method", f"the {method} method takes no files (it has "
+                         "parameters only): remove the file") for name in names]
+                + ([Problem("(hub)", "hub_reference", f"the {method} method takes no files "
+                            "(it has parameters only): leave the hub reference empty")]
+                   if hub_reference else []))
+    elif not names and not hub_reference:
+        raise CheckpointRejected([Problem("(upload)", "files", f"a {method} drafter needs "
+                                          "files: config.json and .safetensors weights (or "
+                                          "a model-hub reference)")])
+
+
 def validate_checkpoint(uploads: Iterable, method: str, target, *, max_total_bytes: int,
                         max_files: int = DEFAULT_MAX_FILES,
                         tmp_root: str | os.PathLike | None = None) -> ValidatedCheckpoint:
@@ -31,18 +51,9 @@ def validate_checkpoint(uploads: Iterable, method: str, target, *, max_total_byt
     if not isinstance(target, TargetFacts):
         target = TargetFacts(int(target["vocab_size"]), int(target["hidden_size"]),
                              int(target["num_layers"]))
-    if method not in methods.DRAFTER_METHODS:
-        raise CheckpointRejected([Problem("(method)", "method", f"unknown method {method!r}: "
-                                          f"use one of {', '.join(methods.DRAFTER_METHODS)}")])
+    check_files_given(method, [u.name for u in uploads])
     if not methods.get(method).needs_weights:
-        if uploads:
-            raise CheckpointRejected([Problem(u.name, "method", f"the {method} method takes no "
-                                              "files (it has parameters only): remove the file")
-                                      for u in uploads])
         return ValidatedCheckpoint(method, [], content_sha256({}, None), None, 0, 0)
-    if not uploads:
-        raise CheckpointRejected([Problem("(upload)", "files", f"a {method} drafter needs "
-                                          "files: config.json and .safetensors weights")])
 
     run = Extraction(max_total_bytes, max_files, tmp_root)
     try:
