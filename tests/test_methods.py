@@ -50,13 +50,16 @@ def test_every_method_is_complete(name):
 
 def test_the_registry_lists_todays_methods_in_order():
     assert methods.METHODS == ("baseline", "ngram", "draft_model", "eagle", "eagle3",
-                               "medusa", "mtp")
+                               "peagle", "dflash", "medusa", "mtp")
     assert methods.DRAFTER_CHOICES == [
         ("ngram", "n-gram prompt lookup"), ("draft_model", "draft model"), ("eagle", "EAGLE"),
-        ("eagle3", "EAGLE-3"), ("medusa", "Medusa"), ("mtp", "multi-token prediction")]
+        ("eagle3", "EAGLE-3"), ("peagle", "P-EAGLE (parallel EAGLE-3)"), ("dflash", "DFlash"),
+        ("medusa", "Medusa"), ("mtp", "multi-token prediction")]
     assert methods.DRAFTER_METHODS == tuple(m for m, _ in methods.DRAFTER_CHOICES)
-    assert methods.WEIGHTED_METHODS == ("draft_model", "eagle", "eagle3", "medusa", "mtp")
-    assert methods.CPU_METHODS == ("baseline", "ngram", "draft_model", "eagle", "eagle3", "medusa")
+    assert methods.WEIGHTED_METHODS == ("draft_model", "eagle", "eagle3", "peagle", "dflash",
+                                        "medusa", "mtp")
+    assert methods.CPU_METHODS == ("baseline", "ngram", "draft_model", "eagle", "eagle3",
+                                   "peagle", "dflash", "medusa")
     assert methods.REFERENCE_METHODS == ("ngram", "draft_model", "eagle", "medusa")
     assert methods.NO_DRAFT_COST_METHODS == ("ngram",)
     assert methods.ALLOWED_PARAMS["ngram"] == ("prompt_lookup_min", "prompt_lookup_max")
@@ -111,13 +114,17 @@ def test_speculative_config_of_each_method(tmp_path):
     assert methods.speculative_config(DrafterSpec("ngram", params={"prompt_lookup_max": 4}), 2) \
         == {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
             "prompt_lookup_max": 4}
-    for name in ("draft_model", "eagle", "eagle3", "medusa", "mtp"):
+    for name in ("draft_model", "eagle", "eagle3", "dflash", "medusa", "mtp"):
         spec = DrafterSpec(name, str(tmp_path), {"draft_sample_method": "greedy"})
         assert methods.speculative_config(spec, 2) == {
             "method": name, "model": str(tmp_path), "num_speculative_tokens": 2,
             "draft_sample_method": "greedy"}
         with pytest.raises(ValueError, match="unknown parameter"):
             methods.speculative_config(DrafterSpec(name, str(tmp_path), {"n": 1}), 2)
+    # P-EAGLE is vLLM's eagle3 with parallel drafting
+    assert methods.speculative_config(DrafterSpec("peagle", str(tmp_path)), 3) == {
+        "method": "eagle3", "parallel_drafting": True, "model": str(tmp_path),
+        "num_speculative_tokens": 3}
     with pytest.raises(DrafterCheckpointError, match="needs a checkpoint folder"):
         methods.speculative_config(DrafterSpec("eagle"), 2)
     assert methods.speculative_config(DrafterSpec("mtp"), 1) == {

@@ -84,20 +84,79 @@ def test_a_speculators_checkpoint_names_its_method_and_its_verifier(tmp_path, wo
     with accept(ups, "eagle3", TINY, work=work) as ckpt:
         assert any("warning" in n and "Llama-3.1-8B" in n for n in ckpt.intake["notes"])
     cfg = json.loads((tmp_path / "spec" / "config.json").read_text())
-    # A method vLLM has and SpecBoard lacks (DFlash) is refused by name, as is P-EAGLE.
-    dflash = dict(cfg, speculators_model_type="dflash", aux_hidden_state_layer_ids=[1, 2],
-                  mask_token_id=0)
-    (tmp_path / "spec" / "config.json").write_text(json.dumps(dflash))
+    # A method vLLM 0.32 has and SpecBoard lacks (DSpark, which only Model Runner V2
+    # runs) is refused by name.
+    dspark = dict(cfg, speculators_model_type="dspark", mask_token_id=0,
+                  aux_hidden_state_layer_ids=[1, 2])
+    (tmp_path / "spec" / "config.json").write_text(json.dumps(dspark))
     find(reject(pf.uploads(tmp_path / "spec"), "eagle3", TINY, work=work),
          field="speculators_model_type", text="SpecBoard does not measure yet")
-    peagle = dict(cfg, speculators_model_type="peagle", mask_token_id=0)
-    (tmp_path / "spec" / "config.json").write_text(json.dumps(peagle))
-    find(reject(pf.uploads(tmp_path / "spec"), "eagle3", TINY, work=work),
-         field="speculators_model_type", text="parallel drafting (P-EAGLE)")
     cfg["speculators_model_type"] = "eagle"   # not one vLLM 0.32 reads
     (tmp_path / "spec" / "config.json").write_text(json.dumps(cfg))
     find(reject(pf.uploads(tmp_path / "spec"), "eagle3", TINY, work=work), field="speculators_config",
          text="not one this vLLM loads")
+
+
+def _dflash_source(folder, **changes):
+    pf.dflash_zlab(folder, hidden=16, vocab=64, target_layer_ids=[0, 1, 3], intermediate=32)
+    if changes:
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg.update(changes)
+        (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def test_a_dflash_drafter_is_taken_as_z_lab_and_speculators_publish_it(tmp_path, work):
+    src = _dflash_source(tmp_path / "zlab")
+    with accept(pf.uploads(src), "dflash", TINY, work=work) as ckpt:
+        assert [f.name for f in ckpt.files] == ["config.json", "model.safetensors"]
+    spec = pf.speculators_dflash(src, tmp_path / "spec", verifier="someone/tiny-target")
+    with accept(spec, "dflash", TINY, work=work) as ckpt:
+        assert ckpt.intake["format"] == "speculators"
+    find(reject(spec, "eagle3", TINY, work=work), field="speculators_model_type",
+         text="choose the method dflash")
+    # its own rules: the mask token, target layers, the fc projection, no mask_hidden
+    bad = _dflash_source(tmp_path / "bad", dflash_config={"mask_token_id": 64,
+                                                          "target_layer_ids": [0, 4]})
+    problems = reject(pf.uploads(bad), "dflash", TINY, work=work)
+    find(problems, field="dflash_config.mask_token_id", text="0..63")
+    find(problems, field="dflash_config.target_layer_ids", text="0..3")
+    find(reject(pf.uploads(_dflash_source(tmp_path / "none", dflash_config=None)), "dflash",
+                TINY, work=work), field="dflash_config", text="missing")
+    tensors = load_file(src / "model.safetensors")
+    save_file(dict(tensors, **{"fc.weight": tensors["fc.weight"][:, :32].contiguous(),
+                               "mask_hidden": torch.zeros(1, 48)}),
+              tmp_path / "zlab" / "model.safetensors")
+    problems = reject(pf.uploads(src), "dflash", TINY, work=work)
+    find(problems, field="fc.weight", text="[16, 48]")
+    find(problems, field="mask_hidden", text="P-EAGLE")
+    mixed = _dflash_source(tmp_path / "mixed", layer_types=["sliding_attention",
+                                                            "full_attention"])
+    find(reject(pf.uploads(mixed), "dflash", TINY, work=work), field="layer_types",
+         text="Model Runner V2")
+
+
+def test_a_p_eagle_head_is_taken_plain_and_as_speculators_publish_it(tmp_path, work):
+    head = pf.peagle(_eagle3_source(tmp_path / "src"), tmp_path / "plain")
+    with accept(head, "peagle", TINY, work=work):
+        pass
+    spec = pf.speculators_peagle(tmp_path / "plain", tmp_path / "spec", verifier="a/tiny-target")
+    with accept(spec, "peagle", TINY, work=work) as ckpt:
+        assert ckpt.intake["format"] == "speculators"
+    find(reject(spec, "eagle3", TINY, work=work), field="speculators_model_type",
+         text="choose the method peagle")
+    # without its mask_hidden vLLM refuses to start; without a mask token, too
+    cfg = json.loads((tmp_path / "plain" / "config.json").read_text())
+    tensors = load_file(tmp_path / "plain" / "model.safetensors")
+    del tensors["mask_hidden"], cfg["mask_token_id"]
+    _write(tmp_path / "bare", cfg, tensors)
+    problems = reject(pf.uploads(tmp_path / "bare"), "peagle", TINY, work=work)
+    find(problems, field="mask_hidden", text="missing")
+    find(problems, field="mask_token_id", text="missing")
+    # P-EAGLE's registered names load only from the speculators format
+    _write(tmp_path / "named", dict(cfg, architectures=["PeagleLlamaForCausalLM"]), tensors)
+    find(reject(pf.uploads(tmp_path / "named"), "eagle3", TINY, work=work),
+         field="architectures", text="PeagleLlamaForCausalLM")
 
 
 def test_python_files_are_refused_outside_the_speculators_format(tmp_path, work):
@@ -190,7 +249,7 @@ def test_a_safeailab_upload_is_stored_converted_and_says_so(client, tmp_path, me
     from django.contrib.auth.models import User
     from django.urls import reverse
 
-    from leaderboard.models import Drafter
+    from leaderboard.models import Drafter, Submission
 
     from . import factories as f
     from .test_submission import form_data
@@ -204,6 +263,7 @@ def test_a_safeailab_upload_is_stored_converted_and_says_so(client, tmp_path, me
         protocol, method="eagle3", name="eagle3 as published",
         files=_site_uploads(tmp_path / "bin")))
     assert response.status_code == 302, response.content.decode()[-2000:]
+    assert f.submitted(response).state == Submission.ACCEPTED
     drafter = Drafter.objects.get()
     assert sorted(drafter.files.values_list("name", flat=True)) == ["config.json",
                                                                     "model.safetensors"]
@@ -224,7 +284,8 @@ def test_a_safeailab_upload_is_stored_converted_and_says_so(client, tmp_path, me
               metadata={"note": "re-saved"})
     response = client.post(reverse("submit"), form_data(
         protocol, method="eagle3", name="same eagle3", files=_site_uploads(again)))
-    assert response.status_code == 400 and "rejected" in response.content.decode()
+    assert f.submitted(response).state == Submission.REFUSED
+    assert "rejected" in client.get(response["Location"]).content.decode()
     assert Drafter.objects.count() == 1
 
 
@@ -267,8 +328,8 @@ def test_a_hostile_upload_is_parsed_by_the_child_inside_its_limits(tmp_path, wor
 def test_a_refused_upload_counts_toward_the_daily_limit(tmp_path, settings):
     from django.contrib.auth.models import User
 
-    from leaderboard.models import Drafter, RefusedSubmission
-    from leaderboard.services import submissions
+    from leaderboard.models import Drafter, Submission
+    from leaderboard.services import intake, submissions
     from worker.checkpoint import Upload
 
     from . import factories as f
@@ -279,14 +340,16 @@ def test_a_refused_upload_counts_toward_the_daily_limit(tmp_path, settings):
     protocol = f.make_protocol(target, hardware="formats-test", ks=(2,))
     bomb = json_array_zip(tmp_path / "drafter.zip", mib=1)
     for _ in range(2):
-        with pytest.raises(submissions.SubmissionRefused) as info:
-            submissions.submit_drafter(owner=user, protocol=protocol, method="eagle3",
-                                       name="bomb", uploads=[Upload(bomb.name, bomb, None)])
-        find(info.value.problems, field="config.json", text="JSON object")
-    assert RefusedSubmission.objects.filter(owner=user).count() == 2
+        received = intake.receive(owner=user, protocol=protocol, method="eagle3", name="bomb",
+                                  uploads=[Upload(bomb.name, bomb, None)], send=False)
+        checked = intake.check(received.pk)
+        assert checked.state == Submission.REFUSED
+        find([submissions.Problem(**p) for p in checked.problems], field="config.json",
+             text="JSON object")
+    assert Submission.objects.filter(owner=user, state=Submission.REFUSED).count() == 2
     with pytest.raises(submissions.SubmissionRefused) as info:
-        submissions.submit_drafter(owner=user, protocol=protocol, method="eagle3",
-                                   name="bomb", uploads=[Upload(bomb.name, bomb, None)])
+        intake.receive(owner=user, protocol=protocol, method="eagle3", name="bomb",
+                       uploads=[Upload(bomb.name, bomb, None)], send=False)
     assert info.value.problems[0].field == "rate limit"
-    assert "refused uploads included" in info.value.problems[0].message
-    assert not Drafter.objects.exists()
+    assert "refused ones and ones being checked included" in info.value.problems[0].message
+    assert not Drafter.objects.exists() and Submission.objects.count() == 2

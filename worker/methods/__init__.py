@@ -26,11 +26,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from worker.methods import baseline, draft_model, eagle, eagle3, medusa, mtp, ngram
+from worker.methods import (baseline, dflash, draft_model, eagle, eagle3, medusa, mtp, ngram,
+                            peagle)
 from worker.methods.base import DrafterCheckpointError, Method, UnsupportedMethod, require_path
 from worker.safetensors_header import check_safetensors_header
 
-_MODULES = (baseline, ngram, draft_model, eagle, eagle3, medusa, mtp)
+_MODULES = (baseline, ngram, draft_model, eagle, eagle3, peagle, dflash, medusa, mtp)
 
 REGISTRY: dict[str, Method] = {m.METHOD.name: m.METHOD for m in _MODULES}
 

@@ -15,8 +15,12 @@ VLLM_ARCHITECTURES = frozenset({
     "Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3", "Eagle3Qwen3ForCausalLM",
     "Eagle3Qwen2_5vlForCausalLM", "Eagle3Qwen3vlForCausalLM", "Eagle3MiniMaxM2ForCausalLM",
     "Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM",
-    "PEagleDraftModel", "PeagleLlamaForCausalLM", "PeagleQwen3ForCausalLM",
 })
+# vLLM registers P-EAGLE's names too, but only its speculators reader uses them as they are:
+# in a plain config.json EAGLEConfig renames them (Eagle3PeagleLlamaForCausalLM), which no
+# model implements, so vLLM refuses to start.
+SPECULATORS_ONLY = frozenset({"PEagleDraftModel", "PeagleLlamaForCausalLM",
+                              "PeagleQwen3ForCausalLM"})
 ARCHITECTURES_TEXT = ", ".join(sorted(VLLM_ARCHITECTURES) +
                                ["or XForCausalLM for which vLLM has Eagle3XForCausalLM"])
 
@@ -27,7 +31,8 @@ def vllm_architecture(arch: str) -> str:
 
 
 def architecture_allowed(arch: str) -> bool:
-    return arch in VLLM_ARCHITECTURES or vllm_architecture(arch) in VLLM_ARCHITECTURES
+    return arch not in SPECULATORS_ONLY and (
+        arch in VLLM_ARCHITECTURES or vllm_architecture(arch) in VLLM_ARCHITECTURES)
 
 
 def speculative_config(drafter, k: int) -> dict:
