@@ -287,6 +287,7 @@ def drafter_detail(request, slug):
         "page": fragment.get("page", page), "d": page["drafter"],
         "results_html": fragment["html"], "can_manage": manage,
         "has_charts": fragment["meta_has_charts"],
+        "submission": submission_reads.accepted_for(page["drafter"]["id"]),
     })
 
 

@@ -197,6 +197,12 @@ def test_a_valid_tiny_draft_model_is_stored_and_queued(
     page = client.get(response["Location"]).content.decode()
     assert 'id="accepted"' in page and drafter.slug in page and f"run #{run.pk}" in page
     assert "refresh" not in page
+    # the drafter page says it came through intake (the owner sees the submission's link)
+    drafter_page = client.get(reverse("drafter", args=[drafter.slug])).content.decode()
+    assert 'id="intake-checked"' in drafter_page and response["Location"] in drafter_page
+    client.logout()
+    public = client.get(reverse("drafter", args=[drafter.slug])).content.decode()
+    assert 'id="intake-checked"' in public and response["Location"] not in public
     queue_html = client.get(reverse("queue")).content.decode()
     assert f'id="run-{run.pk}"' in queue_html and "tiny draft" in queue_html
 

@@ -61,5 +61,14 @@ def of_owner(user, limit: int = 50) -> list[dict]:
     return [summary(s, with_position=False) for s in qs]
 
 
+def accepted_for(drafter_id: int) -> dict | None:
+    """The submission a drafter was accepted from (None for a site drafter registered
+    without intake): when it was received and accepted, for the drafter page."""
+    s = (Submission.objects.filter(drafter_id=drafter_id, state=Submission.ACCEPTED)
+         .values("pk", "created_at", "finished_at").first())
+    return s and {"id": s["pk"], "created_at": s["created_at"], "finished_at": s["finished_at"],
+                  "url": reverse("submission", args=[s["pk"]])}
+
+
 def checking_count() -> int:
     return Submission.objects.filter(state=Submission.CHECKING).count()
