@@ -291,7 +291,7 @@ def print_checked(labels, checked) -> None:
     print(f"\nthe intake worker's checks (each in a sandboxed child limited to "
           f"{child_limit_gib():.1f} GiB of address space here):")
     for label, c in zip(labels, checked):
-        print(f"{label:32} | {c['state']:8} | {c['log']}")
+        print(f"{label:32} | {c['state']:8} | submission {c['log']}")
         for message in c["problems"][:2]:
             print(f"{'':32} |   {message}")
 
