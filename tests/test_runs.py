@@ -75,3 +75,42 @@ def test_unsupported_method_names_method_and_hardware(protocol):
     assert runs.execute_run(run.pk) == Run.FAILED
     run.refresh_from_db()
     assert "'mtp'" in run.error and "'cpu'" in run.error
+
+
+def _messages(queue_name):
+    """The task messages waiting in a broker queue (read and removed): (task name, args)."""
+    from leaderboard.celery import app
+
+    out = []
+    with app.connection_for_read() as conn:
+        queue = conn.SimpleQueue(queue_name, no_ack=True)
+        try:
+            while True:
+                message = queue.get(block=True, timeout=2)
+                out.append((message.headers["task"], message.payload[0]))
+        except queue.Empty:
+            pass
+        finally:
+            queue.close()
+    return out
+
+
+def test_a_starting_worker_sends_again_the_runs_of_its_queues(protocol):
+    """resend_unfinished_runs (the worker_ready hook): queued runs whose message was lost,
+    and running ones whose worker went silent, are sent again to their own queue; runs of
+    other queues and finished runs are left alone."""
+    from leaderboard.celery import MEASURE_RUN
+    from tests.conftest import purge_queue
+
+    for name in ("resend-a", "resend-b"):
+        purge_queue(name)
+    queued = Run.objects.create(protocol=protocol, hardware="resend-a", state=Run.QUEUED)
+    running = Run.objects.create(protocol=protocol, hardware="resend-a", state=Run.RUNNING)
+    Run.objects.create(protocol=protocol, hardware="resend-a", state=Run.SUCCEEDED)
+    other = Run.objects.create(protocol=protocol, hardware="resend-b", state=Run.QUEUED)
+    runs.resend_unfinished_runs(["resend-a"])
+    sent = _messages("resend-a")
+    assert sorted(sent) == sorted([(MEASURE_RUN, [queued.pk]), (MEASURE_RUN, [running.pk])])
+    assert _messages("resend-b") == []
+    runs.resend_unfinished_runs(["resend-b"])
+    assert _messages("resend-b") == [(MEASURE_RUN, [other.pk])]
