@@ -4,6 +4,7 @@ real demo target, converted once into the cache outside the checkout (isolation.
 and reused across runs."""
 import fcntl
 import os
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -218,3 +219,60 @@ def purge_queue(name):
             conn.default_channel.queue_purge(name)
         except Exception:  # noqa: BLE001 - a queue that does not exist yet is empty
             pass
+
+
+# ---- headless Chromium (Debian's, driven by Playwright) ---------------------------------
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+@contextmanager
+def chromium_page(viewport=(1280, 900), bypass_csp=True):
+    """A page of a fresh headless Chromium. ``bypass_csp``: Playwright's wait_for_function
+    evaluates its string with eval, which the site's Content-Security-Policy forbids, so
+    the tests' pages bypass it; a test of what runs under the policy passes False.
+
+    Playwright's sync API keeps an event loop in this thread; the ORM calls a test makes
+    between page actions are still plain synchronous code, so Django is told so while the
+    page lives."""
+    from django.db import connections
+    from playwright.sync_api import sync_playwright
+
+    if not os.path.exists(CHROMIUM):
+        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium")
+    async_unsafe = os.environ.get("DJANGO_ALLOW_ASYNC_UNSAFE")
+    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+    try:
+        with _playwright_page(sync_playwright, viewport, bypass_csp) as page:
+            yield page
+    finally:
+        connections.close_all()
+        if async_unsafe is None:
+            os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+        else:
+            os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = async_unsafe
+
+
+@contextmanager
+def _playwright_page(sync_playwright, viewport, bypass_csp):
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update"])
+        try:
+            page = browser.new_page(viewport={"width": viewport[0], "height": viewport[1]},
+                                    bypass_csp=bypass_csp)
+            page.set_default_timeout(20000)
+            yield page
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def browser_page():
+    # The ORM calls made while Playwright runs get their own connection (Django's
+    # connections are context-local): chromium_page closes them, or they would outlive the
+    # test database.
+    with chromium_page() as page:
+        yield page

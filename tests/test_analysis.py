@@ -998,49 +998,34 @@ def test_the_lossless_share_compares_repetition_zero_in_every_caller(media):
     assert combine[("chat", 2)]["requests"] == 2
 
 
+@pytest.mark.browser
 @pytest.mark.django_db(transaction=True)
 def test_the_pays_page_draws_its_charts_in_a_browser(live_server, pays_board, artifacts_dir,
                                                      monkeypatch):
-    """Headless Chromium: the page's figures are drawn by the local plotly.js without a
-    script error, and the recommender form answers."""
-    import os
-    import shutil
-
-    from playwright.sync_api import sync_playwright
+    """Headless Chromium, under the site's Content-Security-Policy: the page's figures are
+    drawn by the local plotly.js without a script error, and the recommender form answers."""
+    from .conftest import chromium_page
 
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-    chromium = shutil.which("chromium") or "/usr/bin/chromium"
-    if not os.path.exists(chromium):
-        pytest.fail("Chromium is missing: apt-get install -y chromium")
     errors = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, headless=True,
-                                    args=["--no-sandbox", "--disable-gpu"])
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.set_default_timeout(20000)
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-            page.goto(live_server.url + reverse("protocol_pays", args=["pays", 1]))
-            # bounds, matrix, breakdown, Pareto, a map and a per-user chart per task
-            page.wait_for_function(
-                "document.querySelectorAll('div.chart .main-svg').length >= 8")
-            for chart in ("map_0", "map_1", "operating_0", "operating_1"):
-                assert page.locator(f"#chart-{chart} .main-svg").count() >= 1, chart
-            # the measured markers are drawn (scatter points), not only the curves
-            assert page.locator("#chart-map_0 .scatterlayer .point").count() >= 6
-            page.fill("input[name=w_chat]", "0")
-            page.fill("input[name=batch_size]", "1")
-            page.click("#recommend-form button[type=submit]")
-            page.wait_for_selector("#recommendation")
-            assert "Pays ngram" in page.inner_text("#recommendation")
-            page.screenshot(path=str(artifacts_dir / "pays.png"), full_page=True)
-            page.goto(live_server.url + reverse("drafter", args=["pays-draft"]))
-            page.wait_for_selector("#chart-pays_bounds .main-svg")
-            page.wait_for_selector("#chart-operating .main-svg")
-        finally:
-            browser.close()
-            from django.db import connections
-
-            connections.close_all()
+    with chromium_page(bypass_csp=False) as page:
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.goto(live_server.url + reverse("protocol_pays", args=["pays", 1]))
+        # bounds, matrix, breakdown, Pareto, a map and a per-user chart per task
+        page.wait_for_function(
+            "document.querySelectorAll('div.chart .main-svg').length >= 8")
+        for chart in ("map_0", "map_1", "operating_0", "operating_1"):
+            assert page.locator(f"#chart-{chart} .main-svg").count() >= 1, chart
+        # the measured markers are drawn (scatter points), not only the curves
+        assert page.locator("#chart-map_0 .scatterlayer .point").count() >= 6
+        page.fill("input[name=w_chat]", "0")
+        page.fill("input[name=batch_size]", "1")
+        page.click("#recommend-form button[type=submit]")
+        page.wait_for_selector("#recommendation")
+        assert "Pays ngram" in page.inner_text("#recommendation")
+        page.screenshot(path=str(artifacts_dir / "pays.png"), full_page=True)
+        page.goto(live_server.url + reverse("drafter", args=["pays-draft"]))
+        page.wait_for_selector("#chart-pays_bounds .main-svg")
+        page.wait_for_selector("#chart-operating .main-svg")
     assert errors == []

@@ -13,39 +13,8 @@ from . import factories as f
 from .conftest import purge_queue
 
 QUEUE = "browser-test"
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
-
-
-@pytest.fixture
-def browser_page(monkeypatch):
-    # Playwright's sync API keeps an event loop in this thread; the ORM calls the test makes
-    # between page actions are still plain synchronous code.
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-    from django.db import connections
-
-    from playwright.sync_api import sync_playwright
-
-    if not os.path.exists(CHROMIUM):
-        pytest.fail("Chromium is missing: apt-get install -y chromium")
-    with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM, headless=True,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update"])
-        try:
-            # Playwright's wait_for_function evaluates its string with eval, which the
-            # site's Content-Security-Policy forbids: the tests' pages bypass it, but for
-            # the test of the policy itself, which opens a page of its own.
-            page = browser.new_page(viewport={"width": 1280, "height": 900}, bypass_csp=True)
-            page.set_default_timeout(20000)
-            yield page
-        finally:
-            browser.close()
-            # The ORM calls made while Playwright runs get their own connection (Django's
-            # connections are context-local); close it, or it outlives the test database.
-            connections.close_all()
 
 
 @pytest.fixture(autouse=True)

@@ -331,7 +331,6 @@ def test_demo_page_embeds_the_gradio_app(settings):
 # its own .venv-demo).
 DEMO_PYTHON = Path(os.environ.get("SPECBOARD_DEMO_PYTHON")
                    or ROOT / ".venv-demo" / "bin" / "python")
-CHROMIUM = "/usr/bin/chromium"
 
 
 def free_port():
@@ -394,22 +393,18 @@ def pick_option(page, dropdown_id, option_text):
     page.get_by_role("option", name=option_text).first.click()
 
 
+@pytest.mark.browser
 @pytest.mark.django_db(transaction=True)
 def test_demo_in_a_browser_streams_highlighted_tokens_and_counters(demo_rows, demo_server,
                                                                   artifacts_dir,
                                                                   screenshots_dir):
-    from playwright.sync_api import sync_playwright
+    from .conftest import chromium_page
 
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: `apt-get install -y chromium`")
     url, log_path = demo_server
     demo_log = lambda: Path(log_path).read_text(errors="replace")[-4000:]  # noqa: E731
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update"])
+    with chromium_page(viewport=(1280, 1300), bypass_csp=False) as page:
+        page.set_default_timeout(30000)
         try:
-            page = browser.new_page(viewport={"width": 1280, "height": 1300})
             page.goto(url)
             # The choices come from the test database when the page loads.
             page.wait_for_function(
@@ -441,8 +436,6 @@ def test_demo_in_a_browser_streams_highlighted_tokens_and_counters(demo_rows, de
             page.screenshot(path=str(artifacts_dir / "demo-failed.png"), full_page=True)
             pytest.fail(f"{type(e).__name__}: {e}\nscreenshot: {artifacts_dir / 'demo-failed.png'}"
                         f"\ndemo log:\n{demo_log()}")
-        finally:
-            browser.close()
     assert "Output identical to plain greedy decoding" in status, (status, demo_log())
     tokens = int(re.search(r"Done:\*?\*? ?(\d+) tokens", status).group(1))
     assert 3 <= n_spans <= tokens <= 20
