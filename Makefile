@@ -141,13 +141,17 @@ worker: migrate
 intake-worker: migrate
 	$(VENV)/bin/celery -A leaderboard worker -Q intake -c 1 --loglevel INFO -n intake@%h
 
-# The wall time of the whole `make test` (installs included), printed pass or fail.
+# The suite runs on TEST_WORKERS pytest-xdist workers (0: in this process): one runs the
+# engine tests in order, the other everything else beside it (tests/isolation.py).
+TEST_WORKERS ?= 2
+# The wall time of the whole `make test` (installs included), printed pass or fail, after
+# the 25 slowest tests (where the time goes).
 ifneq ($(filter test,$(MAKECMDGOALS)),)
 TEST_START := $(shell date +%s)
 endif
 test: install system-packages
 	$(PY) -m playwright --version >/dev/null
-	@$(PY) -m pytest $(PYTEST_ARGS); status=$$?; took=$$(( $$(date +%s) - $(TEST_START) )); \
+	@$(PY) -m pytest -n $(TEST_WORKERS) --durations=25 $(PYTEST_ARGS); status=$$?; took=$$(( $$(date +%s) - $(TEST_START) )); \
 		echo "[make] make test: $$((took / 60)) min $$((took % 60)) s"; exit $$status
 
 clean-var:

@@ -18,11 +18,19 @@ session owns its world, and the fast tests run first.
 - Order: tests neither marked ``vllm`` nor ``browser`` first, then ``browser``, then
   ``vllm`` (real engine starts, minutes each), each group in collection order, so a
   failure in the fast tests shows within a minute.
+- In parallel (``make test`` runs ``pytest -n 2``, pytest-xdist): every module with an
+  engine test is one unit of work, handed out first, so that one worker runs the engine
+  tests in order (vLLM pins its engine to core 0; two engines at once would share that
+  core) while the other runs the fast and browser tests beside it
+  (``pytest_xdist_make_scheduler``). Each worker is a session of its own: its own var/,
+  test database (``_gw0``, ``_gw1``) and broker key prefix.
 """
 import os
+import re
 import shutil
 import tempfile
 import uuid
+import warnings
 from pathlib import Path
 
 import pytest
@@ -65,24 +73,86 @@ def pytest_report_header(config):
     return [f"specboard: var {var} (its own), demo-target cache {cache_dir()}"]
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(items):
-    # trylast: after pytest's own reordering by fixture scope; sorted() is stable. A module
-    # moves whole, in the group of its slowest test: split over two groups, its
-    # module-scoped fixtures (a vLLM engine's events, minutes) would be built twice.
-    def group(item):
-        for i, marker in enumerate(SLOW_MARKERS, start=1):
-            if item.get_closest_marker(marker):
-                return i
-        return 0
+ENGINE_GROUP = "engine"
+# A top-level test decorated with the marker, or a module-wide pytestmark naming it.
+ENGINE_MARK = re.compile(r"^(@pytest\.mark\.vllm\b|pytestmark\b.*\bmark\.vllm\b)", re.M)
 
-    def module(item):
-        return item.nodeid.split("::")[0]
 
+def _group(item):
+    for i, marker in enumerate(SLOW_MARKERS, start=1):
+        if item.get_closest_marker(marker):
+            return i
+    return 0
+
+
+def _module(item):
+    return item.nodeid.split("::")[0]
+
+
+def _slowest(items):
+    """Each module's group: that of its slowest test. A module moves whole: split over
+    two groups (or two workers), its module-scoped fixtures (a vLLM engine's events,
+    minutes) would be built twice."""
     slowest = {}
     for item in items:
-        slowest[module(item)] = max(slowest.get(module(item), 0), group(item))
-    items[:] = sorted(items, key=lambda item: slowest[module(item)])
+        slowest[_module(item)] = max(slowest.get(_module(item), 0), _group(item))
+    return slowest
+
+
+def is_engine_module(path: Path) -> bool:
+    """Whether a test module has engine tests, read from its source: under xdist the
+    controller, which schedules, collects nothing. The project marks them with
+    ``pytest.mark.vllm`` (a decorator or ``pytestmark``); each worker checks that this rule
+    agrees with the markers it collected."""
+    try:
+        return ENGINE_MARK.search(path.read_text()) is not None
+    except OSError:
+        return False
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Every engine module is one unit of work, the largest, so it is handed out first
+    (xdist's loadscope reordering): one worker runs the engine tests in order while the
+    other takes every other test, one by one, beside it."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class EngineFirst(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            module = config.rootpath / nodeid.split("::", 1)[0]
+            return ENGINE_GROUP if is_engine_module(module) else nodeid
+
+    return EngineFirst(config, log)
+
+
+class _EngineModulesAgree:
+    """In an xdist worker: the scheduler's rule (is_engine_module) agrees with the markers
+    of every module collected, checked before -k or -m deselect any test; a module where
+    it does not is named in a warning (its engine tests may run beside another engine,
+    slower, not wrong)."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, config, items):
+        slowest = _slowest(items)
+        wrong = sorted(m for m, group in slowest.items()
+                       if (group == len(SLOW_MARKERS)) != is_engine_module(config.rootpath / m))
+        if wrong:
+            warnings.warn(pytest.PytestWarning(
+                f"{', '.join(wrong)}: the parallel scheduler reads engine modules from "
+                "their source (a top-level @pytest.mark.vllm, or pytestmark), which "
+                "disagrees with their markers: mark them so"))
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        config.pluginmanager.register(_EngineModulesAgree(), "specboard-engine-modules")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    # trylast: after pytest's own reordering by fixture scope; sorted() is stable.
+    slowest = _slowest(items)
+    items[:] = sorted(items, key=lambda item: slowest[_module(item)])
 
 
 def pytest_unconfigure(config):

@@ -120,3 +120,60 @@ def test_fast_tests_are_collected_first_then_browser_then_vllm_modules_whole(tmp
     order = [line.split("::")[-1] for line in done.stdout.splitlines() if "::" in line]
     assert order == ["test_fast_b", "test_fast_a", "test_browser_a", "test_engine_a",
                      "test_engine_fast"]
+
+
+def test_in_parallel_one_worker_runs_every_engine_test_while_the_other_runs_the_rest(tmp_path):
+    # make test runs pytest -n 2: the engine modules are one unit of work (two engines at
+    # once would share vLLM's core), handed out first; the other tests go to the other
+    # worker meanwhile. Each test records its worker.
+    record = ("import os, pathlib\n"
+              "def note(name):\n"
+              f"    with open({str(tmp_path / 'ran.txt')!r}, 'a') as f:\n"
+              "        f.write(f\"{name} {os.environ['PYTEST_XDIST_WORKER']}\\n\")\n")
+    (tmp_path / "record.py").write_text(record)
+    (tmp_path / "test_engine_a.py").write_text(textwrap.dedent("""\
+        import time
+        import pytest
+        from record import note
+
+        @pytest.mark.vllm
+        def test_engine_1(): note("engine_1"); time.sleep(1.5)
+
+        def test_engine_module_fast(): note("engine_module_fast")
+    """))
+    (tmp_path / "test_engine_b.py").write_text(textwrap.dedent("""\
+        import pytest
+        from record import note
+
+        pytestmark = pytest.mark.vllm
+
+        def test_engine_2(): note("engine_2")
+    """))
+    (tmp_path / "test_fast.py").write_text(
+        "from record import note\n"
+        + "".join(f"def test_fast_{i}(): note('fast_{i}')\n" for i in range(6)))
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-n", "2", "-q", "-p", "tests.isolation",
+         "-p", "no:django", "-p", "no:cacheprovider", "."],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env=subprocess_env(PYTHONPATH=f"{ROOT}:{tmp_path}"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    ran = dict(line.split() for line in (tmp_path / "ran.txt").read_text().splitlines())
+    engine = {ran[t] for t in ("engine_1", "engine_module_fast", "engine_2")}
+    assert len(engine) == 1, ran
+    fast = {ran[f"fast_{i}"] for i in range(6)}
+    assert fast - engine, ran   # the other worker ran fast tests beside the engine ones
+    # a module whose markers the scheduler's rule cannot see is named
+    (tmp_path / "test_hidden.py").write_text(textwrap.dedent("""\
+        import pytest
+
+        class TestHidden:
+            @pytest.mark.vllm
+            def test_engine_in_a_class(self): pass
+    """))
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-n", "2", "-q", "-p", "tests.isolation",
+         "-p", "no:django", "-p", "no:cacheprovider", "."],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env=subprocess_env(PYTHONPATH=f"{ROOT}:{tmp_path}"))
+    assert done.returncode == 0 and "test_hidden.py: the parallel scheduler" in done.stdout
