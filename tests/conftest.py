@@ -235,7 +235,6 @@ def chromium_page(viewport=(1280, 900), bypass_csp=True):
     Playwright's sync API keeps an event loop in this thread; the ORM calls a test makes
     between page actions are still plain synchronous code, so Django is told so while the
     page lives."""
-    from django.db import connections
     from playwright.sync_api import sync_playwright
 
     if not os.path.exists(CHROMIUM):
@@ -246,7 +245,6 @@ def chromium_page(viewport=(1280, 900), bypass_csp=True):
         with _playwright_page(sync_playwright, viewport, bypass_csp) as page:
             yield page
     finally:
-        connections.close_all()
         if async_unsafe is None:
             os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
         else:
@@ -267,12 +265,15 @@ def _playwright_page(sync_playwright, viewport, bypass_csp):
             yield page
         finally:
             browser.close()
+            # The ORM calls made while Playwright runs get their own connection (Django's
+            # connections are context-local): closed here, in that context, or it would
+            # outlive the test database (PostgreSQL then refuses to drop it).
+            from django.db import connections
+
+            connections.close_all()
 
 
 @pytest.fixture
 def browser_page():
-    # The ORM calls made while Playwright runs get their own connection (Django's
-    # connections are context-local): chromium_page closes them, or they would outlive the
-    # test database.
     with chromium_page() as page:
         yield page
