@@ -101,7 +101,7 @@ class SubmitForm(forms.Form):
         help_text="owner/name, or owner/name@revision (a branch, a tag or a commit hash), "
                   "instead of files: the revision is pinned to its commit, which is what "
                   "is measured.",
-        widget=forms.TextInput(attrs={"placeholder": "RedHatAI/drafter.eagle3@main"}))
+        widget=forms.TextInput(attrs={"placeholder": "RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3@main"}))
 
     PARAM_FIELDS = ("k", "prompt_lookup_min", "prompt_lookup_max")
 
