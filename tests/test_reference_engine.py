@@ -419,3 +419,18 @@ def test_cli_prints_json_with_output_ids(engine, demo_target_dir, capsys, monkey
     assert all(isinstance(t, int) for t in sequence["output_ids"])
     assert sequence["steps"][0]["step"] == 0 and "times" in sequence["steps"][0]
     assert isinstance(sequence["text"], str)
+
+
+def test_the_reference_ngram_proposer_takes_ngrams_one_rule():
+    from worker.methods import make_proposer
+    from worker.methods.ngram import lookup_bounds
+
+    for given in ({}, {"prompt_lookup_max": 3}, {"prompt_lookup_min": 2, "prompt_lookup_max": 4}):
+        bounds, _ = lookup_bounds(given)
+        proposer = make_proposer("ngram", **given)
+        assert (proposer.min_n, proposer.max_n) == (bounds["prompt_lookup_min"],
+                                                     bounds["prompt_lookup_max"])
+    with pytest.raises(ValueError, match="larger than prompt_lookup_max"):
+        make_proposer("ngram", prompt_lookup_min=4, prompt_lookup_max=2)
+    with pytest.raises(ValueError, match="from 1 to 16"):
+        make_proposer("ngram", prompt_lookup_min=0, prompt_lookup_max=2)

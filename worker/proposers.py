@@ -81,11 +81,13 @@ def draft_loop(todo, num_tokens, generators, temperature, first_logits, next_log
 class NgramProposer:
     """Prompt lookup: find the longest n-gram (prompt_lookup_max down to prompt_lookup_min
     tokens) that ends the context and also occurs earlier in it, and propose the tokens that
-    followed its earliest occurrence (as transformers' prompt lookup does). Deterministic."""
+    followed its earliest occurrence (as transformers' prompt lookup does). Deterministic.
+    Both bounds are given: ``make_proposer`` fills them by n-gram's one rule
+    (worker/methods/ngram.py ``lookup_bounds``)."""
 
     method = "ngram"
 
-    def __init__(self, prompt_lookup_min: int = 2, prompt_lookup_max: int = 4):
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int):
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         self.min_n, self.max_n = int(prompt_lookup_min), int(prompt_lookup_max)

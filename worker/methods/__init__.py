@@ -179,4 +179,11 @@ def make_proposer(method: str, path: str | None = None, **params):
         return m.proposer_class()(path, **params)
     if path:
         raise ValueError(f"{method} takes no checkpoint path")
+    if m.check_submitted_params is not None:
+        # The method's one rule for its parameters, as the upload check and vLLM's config
+        # read them (n-gram: a missing bound takes the other's value).
+        checked, problems = m.check_submitted_params(params)
+        if problems:
+            raise ValueError("; ".join(f"{field}: {message}" for field, message in problems))
+        params = {**params, **checked}
     return m.proposer_class()(**params)
