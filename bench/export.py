@@ -60,6 +60,7 @@ def seed(slug, n_rows, progress):
 
     from leaderboard.models import Protocol, Result
     from tests import factories as f
+    from worker.protocol import Cell, cell_key
 
     existing = Protocol.objects.filter(slug=slug).first()
     if existing is not None:
@@ -68,14 +69,17 @@ def seed(slug, n_rows, progress):
         existing.runs.all().delete()
         existing.delete()
     target = f.make_target("bench-target", vocab_size=64, hidden_size=16, num_layers=2)
+    # A task holds at least as many prompts as the largest batch size (Protocol's check).
+    prompts = f.make_prompt_set(f"{slug}-prompts", per_category=max(BATCH_SIZES))
     protocol = f.make_protocol(target, slug=slug, hardware=f"{slug}-hw", tasks=TASKS,
-                               batch_sizes=BATCH_SIZES, temperatures=TEMPERATURES, ks=KS)
+                               batch_sizes=BATCH_SIZES, temperatures=TEMPERATURES, ks=KS,
+                               prompt_set=prompts)
     spec = protocol.spec
     task_index = {t: i for i, t in enumerate(TASKS)}
     with transaction.atomic():
         baseline = f.make_run(protocol)
         base = f.add_baseline_results(baseline)
-    by_cell = {(r.task, r.batch_size, float(r.temperature)): r for r in base}
+    by_cell = {cell_key(r): r for r in base}
     left, i, batch = n_rows - len(base), 0, []
     cells = spec.cells(with_drafter=True)
     while left > 0:
@@ -85,7 +89,7 @@ def seed(slug, n_rows, progress):
         run = f.make_run(protocol, drafter)
         quality = 0.3 + 0.6 * (i % 97) / 97
         for c in cells[:left]:
-            b = by_cell[(c.task, c.batch_size, float(c.temperature))]
+            b = by_cell[Cell.of(c, k=0).key]   # the baseline cell at the same place
             counts = f.drafter_counts(quality, task_index[c.task], c.batch_size,
                                       c.temperature, c.k)
             batch.append(f.result_from_counts(run, c.task, c.batch_size, c.temperature, c.k,

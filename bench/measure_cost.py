@@ -82,6 +82,7 @@ def main():
 
     from leaderboard.models import Result
     from leaderboard.services import runs, setup
+    from worker.protocol import cell_key
 
     call_command("migrate", verbosity=0)
     rows = setup.setup_demo(progress=lambda m: None, prompts_per_task=args.prompts_per_task)
@@ -127,7 +128,7 @@ def main():
               f"({rest / wall:.0%}) | set-up {timers['setup']:.2f}s ({timers['setup'] / wall:.1%}) "
               f"| database writes {timers['db']:.2f}s ({timers['db'] / wall:.1%}) "
               f"| overhead {1 - generating / wall:.0%} (goal <= 20%)")
-        measured.append({(c.task, c.batch_size, c.temperature, c.k): c for c in cells})
+        measured.append({cell_key(c): c for c in cells})
 
     print("\ncell (task, batch, temperature, k): throughput mean tok/s, CV over repeats, "
           "acceptance identical")
