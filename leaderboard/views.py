@@ -359,10 +359,8 @@ def submission_detail(request, pk):
     submission = submission_reads.for_viewer(request.user, pk)
     if submission is None:
         raise Http404("no such submission")   # another's: a 403 would confirm it exists
-    s = submission_reads.summary(submission)
-    if s["drafter"] and not permissions.can_see(request.user, s["drafter"]["review_state"]):
-        s["drafter"] = None
-    return render(request, "leaderboard/submission.html", {"s": s})
+    return render(request, "leaderboard/submission.html",
+                  {"s": submission_reads.summary(submission, viewer=request.user)})
 
 
 @login_required

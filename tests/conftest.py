@@ -235,25 +235,15 @@ def chromium_page(viewport=(1280, 900), bypass_csp=True):
     Playwright's sync API keeps an event loop in this thread; the ORM calls a test makes
     between page actions are still plain synchronous code, so Django is told so while the
     page lives."""
+    from unittest import mock
+
+    from django.db import connections
     from playwright.sync_api import sync_playwright
 
     if not os.path.exists(CHROMIUM):
         pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium")
-    async_unsafe = os.environ.get("DJANGO_ALLOW_ASYNC_UNSAFE")
-    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
-    try:
-        with _playwright_page(sync_playwright, viewport, bypass_csp) as page:
-            yield page
-    finally:
-        if async_unsafe is None:
-            os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
-        else:
-            os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = async_unsafe
-
-
-@contextmanager
-def _playwright_page(sync_playwright, viewport, bypass_csp):
-    with sync_playwright() as p:
+    with mock.patch.dict(os.environ, DJANGO_ALLOW_ASYNC_UNSAFE="true"), \
+            sync_playwright() as p:
         browser = p.chromium.launch(
             executable_path=CHROMIUM, headless=True,
             args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -268,8 +258,6 @@ def _playwright_page(sync_playwright, viewport, bypass_csp):
             # The ORM calls made while Playwright runs get their own connection (Django's
             # connections are context-local): closed here, in that context, or it would
             # outlive the test database (PostgreSQL then refuses to drop it).
-            from django.db import connections
-
             connections.close_all()
 
 

@@ -17,6 +17,7 @@ from worker.checkpoint import Upload
 from .. import permissions
 from ..selectors import drafters, protocols
 from ..selectors import runs as run_reads
+from ..selectors import submissions as submission_reads
 from ..services import intake, submissions
 from ..forms import SubmitForm
 from ..models import Drafter, Target
@@ -25,7 +26,7 @@ from .catalog import TargetRef
 from .common import INT_MAX, METHODS, PROTOCOL_REF, SLUG, Out, PageOut, PageQuery
 from .errors import ApiError, error_responses, not_found, not_manager, problem
 from .runs import RunOut, api_run
-from .submissions import SubmissionOut, api_submission
+from .submissions import SubmissionOut
 
 router = Router()
 
@@ -251,7 +252,7 @@ def submit(request, data: Form[SubmitIn],
         claimed_acceptance_length=cleaned["claimed_acceptance_length"],
         claimed_speedup=cleaned["claimed_speedup"], claimed_source=cleaned["claimed_source"])
     submission.refresh_from_db()
-    return Status(202, api_submission(request.auth, submission))
+    return Status(202, submission_reads.summary(submission, viewer=request.auth))
 
 
 @router.post("/drafters/{slug}/withdraw",

@@ -9,11 +9,10 @@ from typing import Any, Literal, Optional
 from ninja import Path, Query, Router, Schema
 from pydantic import Field
 
-from .. import permissions
 from ..selectors import submissions as submission_reads
 from .auth import token_auth
 from .common import ID_MAX, Out
-from .errors import error_responses, not_found
+from .errors import ProblemOut, error_responses, not_found
 from .runs import RunDrafterRef, RunProtocolRef
 
 router = Router()
@@ -24,13 +23,6 @@ SUBMISSION_ID = Path(..., ge=1, le=ID_MAX, description="submission id")
 class SubmittedFile(Out):
     name: str = Field(description="path inside the checkpoint, as uploaded")
     size: Optional[int] = Field(description="bytes")
-
-
-class SubmissionProblem(Out):
-    file: str = Field(description="the file, or (form), (hub), (upload), (submission)")
-    field: str = Field(description="the field or key at fault")
-    message: str = Field(description="what is wrong and how to fix it")
-    member: Optional[str] = Field(None, description="the member of an archive, if any")
 
 
 class SubmissionRun(Out):
@@ -54,7 +46,7 @@ class SubmissionOut(Out):
                                          "intake.hub.commit)")
     files: list[SubmittedFile] = Field(description="the files uploaded")
     params: dict[str, Any] = Field(description="method parameters, checked")
-    problems: list[SubmissionProblem] = Field(description="why it was refused or failed")
+    problems: list[ProblemOut] = Field(description="why it was refused or failed")
     drafter: Optional[RunDrafterRef] = Field(description="the drafter, once accepted")
     run: Optional[SubmissionRun] = Field(description="its measurement run, once accepted")
     position: Optional[int] = Field(description="1 + the submissions ahead of it in the "
@@ -75,13 +67,6 @@ class SubmissionFilters(Schema):
     limit: int = Field(50, ge=1, le=200, description="at most this many, newest first")
 
 
-def api_submission(user, submission) -> dict:
-    s = submission_reads.summary(submission)
-    if s["drafter"] and not permissions.can_see(user, s["drafter"]["review_state"]):
-        s["drafter"] = s["run"] = None
-    return s
-
-
 @router.get("/submissions", response={200: SubmissionList, **error_responses(401, 422)},
             auth=token_auth, tags=["writes"], summary="One's own submissions")
 def list_submissions(request, filters: Query[SubmissionFilters]):
@@ -97,4 +82,4 @@ def get_submission(request, submission_id: int = SUBMISSION_ID):
     submission = submission_reads.for_viewer(request.auth, submission_id)
     if submission is None:
         raise not_found("submission_id", f"no submission {submission_id} of yours")
-    return api_submission(request.auth, submission)
+    return submission_reads.summary(submission, viewer=request.auth)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from django.urls import reverse
 
 from ..models import Run, Submission
+from ..permissions import can_see
 from .shapes import drafter_summary, protocol_label
 
 
@@ -27,10 +28,13 @@ def position(submission: Submission) -> int | None:
     return Submission.objects.filter(state=Submission.CHECKING, pk__lt=submission.pk).count() + 1
 
 
-def summary(submission: Submission, with_position: bool = True) -> dict:
+def summary(submission: Submission, with_position: bool = True, viewer=None) -> dict:
     """A submission for its page and the API. Its drafter and protocol must be
-    select_related by the caller."""
+    select_related by the caller. A drafter ``viewer`` may not see (rejected since) is left
+    out, with its run."""
     p, d = submission.protocol, submission.drafter
+    if d is not None and viewer is not None and not can_see(viewer, d.review_state):
+        d = None
     run = None
     if d is not None and p is not None:
         run = (Run.objects.filter(drafter=d, protocol=p).order_by("queued_at", "pk")
@@ -58,7 +62,7 @@ def of_owner(user, limit: int = 50) -> list[dict]:
     """The user's latest submissions, newest first."""
     qs = (Submission.objects.select_related("protocol", "drafter", "drafter__owner", "owner")
           .filter(owner=user).order_by("-created_at", "-pk")[:limit])
-    return [summary(s, with_position=False) for s in qs]
+    return [summary(s, with_position=False, viewer=user) for s in qs]
 
 
 def accepted_for(drafter_id: int) -> dict | None:
