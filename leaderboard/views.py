@@ -34,7 +34,7 @@ from .selectors import runs as run_reads
 from .selectors import submissions as submission_reads
 from .services import intake, submissions
 from .forms import DrafterEditForm, SignupForm, SubmitForm, TokenForm
-from .models import Drafter, Run
+from .models import Drafter, Run, Submission
 
 
 # ---- query parameters --------------------------------------------------------------------
@@ -383,8 +383,8 @@ def queue(request):
         r["can_cancel"] = (r["state"] in (Run.QUEUED, Run.RUNNING)
                            and permissions.can_manage(user, r["owner_id"],
                                                       (r["drafter"] or {}).get("review_state")))
-    mine = ([s for s in submission_reads.of_owner(user, limit=10)
-             if s["state"] == "checking"] if user.is_authenticated else [])
+    mine = (submission_reads.of_owner(user, limit=10, state=Submission.CHECKING)
+            if user.is_authenticated else [])
     return render(request, "leaderboard/queue.html", {
         "q": data, "hardware": hardware, "checking": submission_reads.checking_count(),
         "my_checking": mine})

@@ -28,17 +28,28 @@ def position(submission: Submission) -> int | None:
     return Submission.objects.filter(state=Submission.CHECKING, pk__lt=submission.pk).count() + 1
 
 
-def summary(submission: Submission, with_position: bool = True, viewer=None) -> dict:
+def first_runs(submissions) -> dict:
+    """{(drafter id, protocol id): {"pk", "state"}} of the first run each accepted
+    submission queued, in one query."""
+    drafters = {s.drafter_id for s in submissions if s.drafter_id}
+    out = {}
+    for run in (Run.objects.filter(drafter_id__in=drafters).order_by("queued_at", "pk")
+                .values("pk", "state", "drafter_id", "protocol_id")):
+        out.setdefault((run["drafter_id"], run["protocol_id"]), run)
+    return out
+
+
+def summary(submission: Submission, with_position: bool = True, viewer=None,
+            runs: dict | None = None) -> dict:
     """A submission for its page and the API. Its drafter and protocol must be
     select_related by the caller. A drafter ``viewer`` may not see (rejected since) is left
-    out, with its run."""
+    out, with its run. ``runs``: first_runs of a list it belongs to (else one query)."""
     p, d = submission.protocol, submission.drafter
     if d is not None and viewer is not None and not can_see(viewer, d.review_state):
         d = None
     run = None
     if d is not None and p is not None:
-        run = (Run.objects.filter(drafter=d, protocol=p).order_by("queued_at", "pk")
-               .values("pk", "state").first())
+        run = (runs if runs is not None else first_runs([submission])).get((d.pk, p.pk))
     return {
         "id": submission.pk, "state": submission.state, "name": submission.name,
         "method": submission.method, "owner": submission.owner.username
@@ -58,11 +69,15 @@ def summary(submission: Submission, with_position: bool = True, viewer=None) -> 
     }
 
 
-def of_owner(user, limit: int = 50) -> list[dict]:
-    """The user's latest submissions, newest first."""
+def of_owner(user, limit: int = 50, state: str | None = None) -> list[dict]:
+    """The user's latest submissions (in ``state``, if given), newest first."""
     qs = (Submission.objects.select_related("protocol", "drafter", "drafter__owner", "owner")
-          .filter(owner=user).order_by("-created_at", "-pk")[:limit])
-    return [summary(s, with_position=False, viewer=user) for s in qs]
+          .filter(owner=user).order_by("-created_at", "-pk"))
+    if state is not None:
+        qs = qs.filter(state=state)
+    subs = list(qs[:limit])
+    runs = first_runs(subs)
+    return [summary(s, with_position=False, viewer=user, runs=runs) for s in subs]
 
 
 def accepted_for(drafter_id: int) -> dict | None:
