@@ -145,25 +145,16 @@ def home(request):
             raise Http404("no such protocol")
         return render(request, "leaderboard/home.html", {"protocol": None})
     spec = protocol.spec
-    task = request.GET.get("task") or None
-    if task not in spec.task_names:
-        task = None
-    t_param = request.GET.get("temperature")
-    temperature = None if t_param == "all" else _float(t_param, spec.temperatures)
-    if temperature is None and t_param != "all":
-        temperature = spec.temperatures[0]
-    k = _int(request.GET.get("k"), spec.ks)
-    method = request.GET.get("method") or None
-    if method not in dict(Drafter.METHODS):
-        method = None
     # The state of the board's runs, read at most once: for the default batch size (the
     # smallest with rows) and for the fragment cache.
     signature = functools.cache(lambda: board.leaderboard_signature(protocol))
-    b_param = request.GET.get("batch_size")
-    batch_size = None if b_param == "all" else (
-        _int(b_param, spec.batch_sizes)
-        or board.smallest_measured_batch_size(protocol, signature().landing, task=task,
-                                              temperature=temperature, k=k, method=method))
+    t_param, b_param = request.GET.get("temperature"), request.GET.get("batch_size")
+    chosen = board.resolve_filters(
+        protocol, task=request.GET.get("task") or None, batch_size=b_param or None,
+        temperature=t_param or None, k=request.GET.get("k") or None,
+        method=request.GET.get("method") or None, lenient=True, signature=signature)
+    task, batch_size, temperature = chosen["task"], chosen["batch_size"], chosen["temperature"]
+    k, method = chosen["k"], chosen["method"]
     sort = request.GET.get("sort") or "speedup"
     sort = sort if sort in board.SORT_KEYS else "speedup"
     descending = request.GET.get("dir", "desc") != "asc"

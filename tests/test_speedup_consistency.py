@@ -351,3 +351,54 @@ def test_the_drafter_page_chart_and_when_does_it_pay_serve_the_pooled_speedups(
         pays.update(drafter_pays_speedups(client, d.slug))
     assert_pooled(chart, expected, "drafter page speedup chart")
     assert_pooled(pays, expected, 'drafter page "When does it pay?"')
+
+
+# ---- plausible rank ranges (issue #33): the same on the page, in the API and the CSV -------
+
+def widen_intervals(protocol):
+    """Give every drafter cell a speedup interval around its stored speedup: narrow at
+    batch size 1 (the two drafters apart), wide above (they overlap), so both kinds of
+    range are served."""
+    for r in Result.objects.filter(run__protocol=protocol, k__gt=0):
+        rel = 0.01 if r.batch_size == 1 else 0.6
+        r.speedup_low, r.speedup_high = r.speedup * (1 - rel), r.speedup * (1 + rel)
+        r.save(update_fields=["speedup_low", "speedup_high"])
+
+
+def ranges_by_definition(rows):
+    """{drafter: (best, worst)} of API rows, from their speedup intervals, pair by pair."""
+    ranked = [r for r in rows if r["speedup"] is not None and not r["measuring"]]
+    return {r["drafter"]: (1 + sum(o["speedup_low"] > r["speedup_high"] for o in ranked),
+                           sum(o["speedup_high"] >= r["speedup_low"] for o in ranked))
+            for r in ranked}
+
+
+def test_the_rank_ranges_are_the_same_on_the_page_in_the_api_and_the_csv(client, seeded):
+    from .test_rank_ranges import page_cells, shown_range
+
+    protocol = seeded["protocol"]
+    widen_intervals(protocol)
+    spec, kinds = protocol.spec, set()
+    url = reverse("api:protocol_leaderboard", args=[protocol.slug, protocol.version])
+    for task in (None, *spec.task_names):
+        for b in spec.batch_sizes:
+            for k in spec.ks:
+                params = {"batch_size": b, "temperature": f"{spec.temperatures[0]:g}", "k": k,
+                          **({"task": task} if task else {})}
+                page = client.get(reverse("home"), {"protocol": protocol_ref(protocol),
+                                                    **params})
+                context = {r["drafter"]["slug"]: (r["rank_low"], r["rank_high"])
+                           for r in page.context["board"]["rows"]}
+                names = {r["drafter"]["name"]: r["drafter"]["slug"]
+                         for r in page.context["board"]["rows"]}
+                html = {names[n]: c[1] for n, c in page_cells(page.content.decode()).items()}
+                api = client.get(url, params).json()["rows"]
+                served = {r["drafter"]: (r["rank_low"], r["rank_high"]) for r in api}
+                text = client.get(url, {**params, "format": "csv"}).content.decode()
+                from_csv = {r["drafter"]: (int(r["rank_low"]), int(r["rank_high"]))
+                            for r in csv.DictReader(io.StringIO(text))}
+                assert len(served) == len(seeded["drafters"])
+                assert served == context == from_csv == ranges_by_definition(api), params
+                assert html == {s: shown_range(*rr) for s, rr in served.items()}, params
+                kinds |= {lo == hi for lo, hi in served.values()}
+    assert kinds == {True, False}  # both single ranks and ranges were compared

@@ -3,15 +3,15 @@ results (paginated, or exported whole as CSV or JSON, streamed in constant memor
 writes by API token: submit a drafter, cancel one's run, withdraw one's drafter.
 
 Schema: /api/openapi.json; interactive docs: /api/docs. One router per area (catalog,
-analysis, drafters, runs, results, auth); reads go through leaderboard.selectors (the same
-functions as the pages), writes through leaderboard.submissions. Every error answers
+analysis, board, drafters, runs, results, auth); reads go through leaderboard.selectors
+(the same functions as the pages), writes through leaderboard.submissions. Every error answers
 {"detail": [{"file", "member", "field", "message"}]} (errors.py).
 """
 from __future__ import annotations
 
 from ninja import NinjaAPI
 
-from . import analysis, auth, catalog, drafters, results, runs, submissions
+from . import analysis, auth, board, catalog, drafters, results, runs, submissions
 from .errors import add_exception_handlers
 
 API_VERSION = "1.0.0"
@@ -62,5 +62,5 @@ class SpecBoardAPI(NinjaAPI):
 api = SpecBoardAPI(title="SpecBoard API", version=API_VERSION, description=DESCRIPTION,
                    urls_namespace="api")
 add_exception_handlers(api)
-for area in (catalog, analysis, drafters, submissions, runs, results, auth):
+for area in (catalog, analysis, board, drafters, submissions, runs, results, auth):
     api.add_router("", area.router)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from typing import NamedTuple
+from urllib.parse import urlencode
 
 from django.db.models import Count, Max, Min, Q, Sum
+from django.urls import reverse
 
 from worker.analysis import speedups
 
@@ -170,14 +172,19 @@ def leaderboard(protocol: Protocol, *, task: str | None = None, batch_size: int 
     None for a filter means every value (the page's default batch size is
     `smallest_measured_batch_size`). Rows of a run still measuring are marked "measuring",
     sorted among the others by their figure and never ranked: ranks and ties are those of
-    the finished rows alone. Two or three queries.
+    the finished rows alone. Every row has its plausible rank range by speedup
+    ("rank_low", "rank_high": worker.analysis.speedups.rank_ranges, over the same rows the
+    ranks are of: every finished row the filters show, whatever the sort). Two or three
+    queries.
 
     Returns {"protocol", "filters", "choices", "rows", "baseline_rows", "runs_info",
     "drafters"}; a row: {"drafter" (drafter summary), "run_id", "task", "batch_size",
     "temperature", "k", "cells", "requests", "acceptance_length", "acceptance_rate",
     "output_throughput", "speedup", "lossless_share", "baseline_throughput",
     "engine_version", "hardware_description", "artifact_url", "run" (the run: "measuring",
-    "cells_done", "cells_total", "url", "remeasuring"), "tasks_measured"}."""
+    "cells_done", "cells_total", "url", "remeasuring"), "tasks_measured", "rank_low",
+    "rank_high", and when sorted by speedup, best first, "rank" and "tied"}; "export": the
+    URLs of this table in the API ({"csv", "json"})."""
     spec = protocol.spec
     drafter_runs, baselines = shown_runs(protocol, method)
     run_by_id = {r["id"]: r for r in drafter_runs}
@@ -244,6 +251,7 @@ def leaderboard(protocol: Protocol, *, task: str | None = None, batch_size: int 
     rows = present + [r for r in rows if value(r) is None]
     if sort == "speedup" and descending:
         speedups.mark_ties(rows)
+    speedups.rank_ranges(rows)
 
     runs_info = sorted({(r["engine_version"], r["hardware_description"], r["hardware"])
                         for r in run_by_id.values()})
@@ -259,7 +267,79 @@ def leaderboard(protocol: Protocol, *, task: str | None = None, batch_size: int 
         "runs_info": [{"engine_version": e, "hardware_description": h, "hardware": hw}
                       for e, h, hw in runs_info],
         "drafters": len(drafter_runs),
+        "export": {fmt: export_url(protocol, task=task, batch_size=batch_size,
+                                   temperature=temperature, k=k, method=method, fmt=fmt)
+                   for fmt in ("csv", "json")},
     }
+
+
+def export_url(protocol: Protocol, *, task=None, batch_size=None, temperature=None, k=None,
+               method=None, fmt: str = "csv") -> str:
+    """The API's URL of the leaderboard table under these filters (None: every value, as
+    in `leaderboard`), as CSV (a download) or JSON (the API's answer)."""
+    query = {"batch_size": "all" if batch_size is None else batch_size,
+             "temperature": "all" if temperature is None else f"{temperature:g}"}
+    query.update({name: v for name, v in (("task", task), ("k", k), ("method", method))
+                  if v is not None})
+    if fmt == "csv":
+        query["format"] = "csv"
+    return (reverse("api:protocol_leaderboard", args=[protocol.slug, protocol.version])
+            + "?" + urlencode(query))
+
+
+def resolve_filters(protocol: Protocol, *, task: str | None = None, batch_size=None,
+                    temperature=None, k=None, method: str | None = None,
+                    lenient: bool = False, signature=None) -> dict:
+    """The leaderboard's filters from a request's, for the page and the API alike: "all"
+    for batch size or temperature is every value (None), an absent one the default (batch
+    size: `smallest_measured_batch_size`; temperature: the protocol's first). A value the
+    protocol does not measure raises ValueError(filter, message) (the API's 422), or with
+    ``lenient`` (the page, whose links a user may edit) is taken as absent. ``signature``:
+    a callable giving `leaderboard_signature(protocol)` when the caller has read it (the
+    page caches it), so it is read at most once."""
+    spec = protocol.spec
+
+    def refuse(name, message):
+        if not lenient:
+            raise ValueError(name, message)
+
+    def number(cast, value):
+        try:
+            return cast(value)
+        except (TypeError, ValueError):
+            return None
+
+    if task is not None and task not in spec.task_names:
+        refuse("task", "the protocol's tasks are " + ", ".join(spec.task_names))
+        task = None
+    if k is not None and number(int, k) not in spec.ks:
+        refuse("k", "the protocol's ks are " + ", ".join(map(str, spec.ks)))
+        k = None
+    k = None if k is None else int(k)
+    if method is not None and method not in METHOD_LABELS:
+        refuse("method", "the methods are " + ", ".join(METHOD_LABELS))
+        method = None
+    if temperature == "all":
+        temperature = None
+    elif temperature is not None and number(float, temperature) not in spec.temperatures:
+        refuse("temperature", "the protocol's temperatures are " + ", ".join(
+            f"{t:g}" for t in spec.temperatures))
+        temperature = spec.temperatures[0]
+    else:
+        temperature = spec.temperatures[0] if temperature is None else float(temperature)
+    if batch_size == "all":
+        batch_size = None
+    elif batch_size is not None and number(int, batch_size) in spec.batch_sizes:
+        batch_size = int(batch_size)
+    else:
+        if batch_size is not None:
+            refuse("batch_size", "the protocol's batch sizes are " + ", ".join(
+                map(str, spec.batch_sizes)))
+        landing = (signature or (lambda: leaderboard_signature(protocol)))().landing
+        batch_size = smallest_measured_batch_size(protocol, landing, task=task,
+                                                  temperature=temperature, k=k, method=method)
+    return {"task": task, "batch_size": batch_size, "temperature": temperature, "k": k,
+            "method": method}
 
 
 def compare_candidates(protocol: Protocol) -> list[dict]:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+import numpy as np
+
 from worker import metrics
 from worker.protocol import Cell
 
@@ -128,6 +130,48 @@ def mark_ties(rows: list[dict]) -> None:
             rank = i
             r["rank"] = rank
         prev = (lo, hi, r)
+
+
+def _ranked_interval(r: dict):
+    """(low, high) of a row that takes a rank (`mark_ties`'s rows), else None. A missing
+    bound is the estimate itself, as in `mark_ties`."""
+    if r.get("speedup") is None or (r.get("run") or {}).get("measuring"):
+        return None
+    lo, hi = r.get("speedup_low"), r.get("speedup_high")
+    return (r["speedup"] if lo is None else lo), (r["speedup"] if hi is None else hi)
+
+
+def rank_ranges(rows: list[dict]) -> None:
+    """Each row's plausible rank range by speedup from the rows' 95% intervals, as public
+    model leaderboards give it (LMSYS Arena's "rank (UB)"), over the rows `mark_ties` ranks
+    (the same rows: rows of a run still measuring and rows without a speedup get None and
+    count for no other row). For a row with interval [lo, hi]:
+
+        rank_low  (best)  = 1 + the number of rows whose low is above hi
+                            (their whole interval lies above this one's);
+        rank_high (worst) = the number of rows whose high is at or above lo
+                            (their interval does not lie wholly below this one's), itself
+                            included.
+
+    Intervals that touch count as overlapping, as in `mark_ties`. A row without an interval
+    counts as the point [speedup, speedup], so without intervals the range is its position
+    (equal speedups aside). Pairwise, hence independent of the rows' order; the row's
+    position in speedup order always lies in its range (a `mark_ties` rank shared down a
+    chain of overlaps may not: the range is the stricter statement). Non-overlap of two 95%
+    intervals is a conservative test of a difference, so the ranges are wide rather than
+    narrow."""
+    bounds = [_ranked_interval(r) for r in rows]
+    ranked = [b for b in bounds if b is not None]
+    lows = np.sort(np.array([lo for lo, _ in ranked], dtype=float))
+    highs = np.sort(np.array([hi for _, hi in ranked], dtype=float))
+    n = len(ranked)
+    for r, b in zip(rows, bounds):
+        if b is None:
+            r["rank_low"] = r["rank_high"] = None
+            continue
+        lo, hi = b
+        r["rank_low"] = 1 + n - int(np.searchsorted(lows, hi, side="right"))
+        r["rank_high"] = n - int(np.searchsorted(highs, lo, side="left"))
 
 
 def half_width(row: dict, prefix: str = "speedup"):
