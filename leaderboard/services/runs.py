@@ -34,7 +34,7 @@ from worker.runner import ChildFailed, log_tail, run_job_in_child
 
 from .. import records
 from ..celery import MEASURE_RUN, app
-from ..models import Drafter, Prompt, Protocol, Result, Run
+from ..models import Drafter, Prompt, Protocol, ProtocolCalibration, Result, Run
 from .baselines import PAIRED, baseline_cell_for, shared_baseline_exists
 
 log = logging.getLogger(__name__)
@@ -220,15 +220,29 @@ def divide_by_baseline(result: Result, outputs: dict | None = None, run_records=
     return True
 
 
-def speedup_with_interval(result: Result, base: Result, drafter_records, baseline_records):
-    """(speedup, low, high): worker.intervals.speedup_interval over the requests of both
-    cells (paired by prompt id and repetition). Rows measured before protocol v2 have no
-    per-request time share: their speedup is the ratio of throughputs, without interval."""
+def within_run_speedup(result: Result, base: Result, drafter_records, baseline_records):
+    """(speedup, low, high) of one run: worker.intervals.speedup_interval over the requests
+    of both cells (paired by prompt id and repetition). Rows measured before protocol v2
+    have no per-request time share: their speedup is the ratio of throughputs, without
+    interval."""
     if drafter_records and baseline_records and all(
             "time_share" in r for r in (*drafter_records, *baseline_records)):
         from worker import intervals
         return tuple(intervals.speedup_interval(drafter_records, baseline_records))
     return metrics.speedup(result.output_throughput, base.output_throughput), None, None
+
+
+def speedup_with_interval(result: Result, base: Result, drafter_records, baseline_records):
+    """(speedup, low, high) as stored: the within-run interval (`within_run_speedup`)
+    widened by the protocol's between-run variance of the log-speedup, the newest
+    ProtocolCalibration (worker.calibration.widen; nothing added before a protocol is
+    calibrated). Pages, the API and the CSV read these stored bounds."""
+    point, low, high = within_run_speedup(result, base, drafter_records, baseline_records)
+    variance = ProtocolCalibration.variance_for(result.run.protocol_id)
+    if variance:
+        from worker import calibration
+        low, high = calibration.widen(point, low, high, variance)
+    return point, low, high
 
 
 def record_cell(run: Run, cell_result) -> Result:

@@ -435,6 +435,19 @@ class VllmEngine:
             gc.collect()
 
 
+def close_event_loop(loop):
+    """Cancel what the engines left on ``loop`` (AsyncLLM's output handler), then close it."""
+    try:
+        loop.run_until_complete(asyncio.sleep(0))
+        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for t in pending:
+            t.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    finally:
+        loop.close()
+
+
 async def settle():
     """Give the engine's output handler a turn (it records stats after delivering outputs)."""
     await asyncio.sleep(0)

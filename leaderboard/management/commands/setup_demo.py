@@ -10,8 +10,9 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("--prompts-per-task", type=int, default=None,
-                            help="prompts per task in the demo protocol "
-                                 "(default SPECBOARD_DEMO_PROMPTS_PER_TASK or 8; at least the largest batch size)")
+                            help="prompts per task in the demo protocol at batch sizes 4 "
+                                 "and 8 (default SPECBOARD_DEMO_PROMPTS_PER_TASK, 24; at least "
+                                 "the largest batch size); batch size 1 measures the first 8")
         parser.add_argument("--queue-runs", action="store_true",
                             help="queue the baseline and each demo drafter that has no run yet "
                                  "under the demo protocol, the n-gram drafter first, then the "

@@ -1,0 +1,178 @@
+"""Do speedup intervals hold on a rerun? (a benchmark, not a test; issue #33)
+
+Measures a drafter again in COUNT fresh runs under a protocol, in the site's own database:
+queued through the site's normal queue (leaderboard.services.runs.queue_run) for whatever
+worker serves the protocol's hardware class, or with --sync measured here, one after the
+other, as `manage.py measure --sync` does (--gap-minutes between them: the issue asks for
+runs at least an hour apart). It waits for them, then reports on every drafter cell
+measured in two of the runs (every pair of runs):
+
+- both speedups and their difference;
+- z_stored = (log s_a - log s_b) / sqrt(se_a^2 + se_b^2), each se from the interval the
+  site stores (within-run, widened by the protocol's between-run variance once
+  `manage.py calibrate_protocol` has run), on the side facing the other speedup;
+- z_within: the same from the within-run intervals alone, recomputed from the records
+  (what the intervals were before the calibration);
+- z_rerun = (log s_a - log s_b) / sqrt(p_a^2 + p_b^2 + 2 tau^2): p each cell's passes'
+  standard error with the prompts held fixed (a rerun measures the same prompts, so their
+  variance cancels) and tau^2 the protocol's between-run variance (or, with --estimate,
+  the one these runs give: in-sample).
+and the share of cells with |z| <= 1.96 in each column: calibrated means about 95% for
+z_rerun; z_stored is conservative (the prompts' variance is in the stored intervals);
+z_within far below 95% is what the issue found. worker.calibration.rerun_table is the
+table; tests/test_calibration.py tests it on seeded records.
+
+    .venv/bin/python bench/rerun.py DRAFTER [--protocol SLUG[@VERSION]] [--count 2] [--sync]
+                                    [--gap-minutes 60] [--estimate]
+    .venv/bin/python bench/rerun.py --runs ID ID [...] [--estimate]   # existing runs
+
+The site's settings apply (DATABASE_URL, or the embedded var/): run it where the site's
+database and records are. Without --sync a worker must serve the queue
+(`celery -A leaderboard worker -Q HARDWARE`, or `make run`).
+"""
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def django_setup():
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "leaderboard.settings")
+    import django
+
+    django.setup()
+
+
+def measure(args):
+    """Queue (or with --sync measure) COUNT runs of the drafter; their ids once finished."""
+    from leaderboard.management.commands.measure import resolve_protocol
+    from leaderboard.models import Drafter, Run
+    from leaderboard.services import runs
+
+    protocol = resolve_protocol(args.protocol)
+    drafter = Drafter.objects.filter(slug=args.drafter).first()
+    if drafter is None:
+        sys.exit(f"no drafter {args.drafter!r}")
+    ids = []
+    for i in range(args.count):
+        if i and args.gap_minutes:
+            print(f"waiting {args.gap_minutes} min before the next run", flush=True)
+            time.sleep(args.gap_minutes * 60)
+        if args.sync and runs.needs_shared_baseline(protocol, drafter):
+            runs.execute_run(runs.queue_run(protocol, None, send=False).pk)
+        run = runs.queue_run(protocol, drafter, send=not args.sync)
+        ids.append(run.pk)
+        print(f"run {run.pk}: {drafter.slug} under {protocol} "
+              f"({'measuring here' if args.sync else 'queued on ' + repr(run.hardware)})",
+              flush=True)
+        if args.sync:
+            t0 = time.monotonic()
+            state = runs.execute_run(run.pk)
+            print(f"run {run.pk}: {state} in {(time.monotonic() - t0) / 60:.1f} min", flush=True)
+        elif args.gap_minutes and i + 1 < args.count:
+            wait_for([run.pk])   # the gap counts from this run's end
+    return wait_for(ids)
+
+
+def wait_for(ids):
+    from leaderboard.models import Run
+
+    while True:
+        pending = list(Run.objects.filter(pk__in=ids).exclude(state__in=Run.FINISHED)
+                       .values_list("pk", "cells_done", "cells_total"))
+        if not pending:
+            break
+        print("waiting: " + ", ".join(f"run {pk} {d}/{t}" for pk, d, t in pending), flush=True)
+        time.sleep(15)
+    for run in Run.objects.filter(pk__in=ids).order_by("pk"):
+        took = ((run.finished_at - run.started_at).total_seconds() / 60
+                if run.finished_at and run.started_at else None)
+        print(f"run {run.pk}: {run.state}" + (f", {took:.1f} min" if took else "")
+              + (f", started {run.started_at:%Y-%m-%d %H:%M}" if run.started_at else ""))
+    return ids
+
+
+def report(run_ids, estimate_here=False):
+    from leaderboard.models import ProtocolCalibration, Result, Run
+    from leaderboard.services import calibration as service
+    from worker import calibration
+
+    run_list = list(Run.objects.filter(pk__in=run_ids, state=Run.SUCCEEDED)
+                    .select_related("protocol", "drafter").order_by("pk"))
+    if len(run_list) < 2:
+        sys.exit(f"need two succeeded runs, have {[r.pk for r in run_list]}")
+    if len({(r.protocol_id, r.drafter_id) for r in run_list}) != 1:
+        sys.exit("the runs must measure the same drafter under the same protocol")
+    protocol = run_list[0].protocol
+    within = service.measured_within_run(run_list)
+    stored = [
+        calibration.Measured((r.run.drafter_id, r.task, r.batch_size, float(r.temperature), r.k),
+                             r.run_id, r.speedup, r.speedup_low, r.speedup_high)
+        for r in Result.objects.filter(run__in=run_list, k__gt=0, speedup__isnull=False)
+        .select_related("run")]
+    tau2 = ProtocolCalibration.variance_for(protocol.pk)
+    source = "the protocol's calibration" if tau2 else "none stored (0)"
+    if estimate_here:
+        tau2 = calibration.between_run_variance(within).variance
+        source = "estimated from these runs (in-sample)"
+    rows = calibration.rerun_table(stored, within, tau2)
+
+    def fmt(x, spec):
+        return "-" if x is None else format(x, spec)
+
+    print(f"\n{protocol}, {run_list[0].drafter.slug}, runs "
+          f"{', '.join(str(r.pk) for r in run_list)}; between-run variance {tau2:.3g} "
+          f"(sd {math.sqrt(tau2) * 100:.2f}%): {source}\n")
+    head = (f"{'task':<16}{'b':>3}{'t':>5}{'k':>3}{'runs':>12}{'speedup a':>11}"
+            f"{'speedup b':>11}{'diff %':>8}{'z_stored':>10}{'z_within':>10}{'z_rerun':>9}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        _, task, b, t, k = r["key"]
+        pair = f"{r['run_a']}/{r['run_b']}"
+        print(f"{task:<16}{b:>3}{t:>5g}{k:>3}{pair:>12}"
+              f"{r['speedup_a']:>11.3f}{r['speedup_b']:>11.3f}"
+              f"{fmt(r['difference_pct'], '+.1f'):>8}{fmt(r['z_stored'], '+.2f'):>10}"
+              f"{fmt(r['z_within'], '+.2f'):>10}{fmt(r['z_rerun'], '+.2f'):>9}")
+    shares = calibration.table_shares(rows)
+    print(f"\n{shares['cells']} cell pairs; share with |z| <= 1.96: "
+          + ", ".join(f"{c} {fmt(shares[c] and shares[c] * 100, '.0f')}%"
+                      for c in ("z_stored", "z_within", "z_rerun")))
+    widths = [max(m.high - m.speedup, m.speedup - m.low) / m.speedup * 100
+              for m in stored if m.low is not None and m.high is not None]
+    b4 = [max(m.high - m.speedup, m.speedup - m.low) / m.speedup * 100
+          for m in stored if m.low is not None and m.high is not None and m.key[2] >= 4]
+    if widths:
+        print(f"stored half-widths: median {statistics.median(widths):.1f}%, max "
+              f"{max(widths):.1f}%" + (f"; at b >= 4 median {statistics.median(b4):.1f}%, "
+                                       f"max {max(b4):.1f}%" if b4 else ""))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("drafter", nargs="?", help="drafter slug to measure again")
+    parser.add_argument("--protocol", help="protocol slug[@version] (default: the newest)")
+    parser.add_argument("--count", type=int, default=2, help="fresh runs to measure")
+    parser.add_argument("--sync", action="store_true", help="measure here, one after another")
+    parser.add_argument("--gap-minutes", type=float, default=0.0,
+                        help="wait between runs (from one's end to the next's start)")
+    parser.add_argument("--runs", type=int, nargs="+", help="report on these runs only")
+    parser.add_argument("--estimate", action="store_true",
+                        help="z_rerun with the between-run variance these runs give")
+    args = parser.parse_args()
+    if not args.runs and not args.drafter:
+        parser.error("give a DRAFTER to measure, or --runs ID ID")
+    django_setup()
+    ids = args.runs or measure(args)
+    report(ids, args.estimate)
+
+
+if __name__ == "__main__":
+    main()
