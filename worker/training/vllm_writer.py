@@ -36,7 +36,9 @@ class VllmWriter:
         # A round of 256 sequences needs about 60k tokens of KV cache (46 kB a token in
         # float32 on this target); with the measuring default of 1 GiB vLLM preempts, and
         # a preempted seeded request fails on CPU ("CPU Generator does not use offset").
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(WRITER_KV_CACHE_GIB))
+        # A caller's VLLM_CPU_KVCACHE_SPACE wins; engine() sets it for the writer's own
+        # engine only.
+        self.kv_cache_gib = os.environ.get("VLLM_CPU_KVCACHE_SPACE") or str(WRITER_KV_CACHE_GIB)
         apply_engine_env(hardware)   # before the engine starts: its core reads it
 
         args = default_engine_args(hardware)
@@ -56,9 +58,22 @@ class VllmWriter:
     def engine(self):
         """The vLLM engine, started on first use."""
         if self.llm is None:
+            import os
+
             from vllm import LLM
 
-            self.llm = LLM(**self.engine_args)
+            # The engine core reads the KV cache size when it is spawned: set for this start
+            # and put back, so that engines started later in the process (a measurement)
+            # get their own.
+            before = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = self.kv_cache_gib
+            try:
+                self.llm = LLM(**self.engine_args)
+            finally:
+                if before is None:
+                    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+                else:
+                    os.environ["VLLM_CPU_KVCACHE_SPACE"] = before
         return self.llm
 
     def encode_chat(self, user_text: str) -> list[int]:
