@@ -246,6 +246,12 @@ def _expanded(point, lo, hi, n_prompts):
 
 # ---- the figures ---------------------------------------------------------------------------
 
+def throughput(records) -> float | None:
+    """Output throughput = sum(tokens) / sum(time_share) over the records (the point
+    ``throughput_interval`` is centred on); None without records or time."""
+    return _ratio(*_arrays(records)) if records else None
+
+
 def throughput_interval(records):
     """95% interval of output throughput = sum(tokens) / sum(time_share) over the cell's
     requests (all passes): two-stage cluster bootstrap (prompts, then passes), BCa.

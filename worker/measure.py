@@ -348,13 +348,8 @@ def group_half_widths(records: dict) -> list[float | None]:
     if base is not None and drafters:
         return [relative_half_width(*intervals.speedup_interval(recs, base))
                 for recs in drafters]
-    out = []
-    for recs in records.values():
-        time_s = sum(float(r["time_share"]) for r in recs)
-        tokens = sum(len(r["output_token_ids"]) for r in recs)
-        point = tokens / time_s if time_s > 0 else None
-        out.append(relative_half_width(point, *intervals.throughput_interval(recs)))
-    return out
+    return [relative_half_width(intervals.throughput(recs), *intervals.throughput_interval(recs))
+            for recs in records.values()]
 
 
 def stop_reason(spec: ProtocolSpec, passes: int, elapsed_s: float, next_pass_s: float,
@@ -430,7 +425,8 @@ def measure_group(group: list[Cell], spec: ProtocolSpec, measure, records_of, lo
             continue
         for cell, p in results.items():
             passes[cell].append(p)
-            records[cell] += records_of(cell, p)
+            if spec.adaptive:   # only an adaptive group judges its records as it goes
+                records[cell] += records_of(cell, p)
         kept_s.append(clock() - t_pass)
         n = rep + 1
         widths = (group_half_widths(records) if spec.adaptive and n >= spec.repetitions
