@@ -245,3 +245,32 @@ def test_v3_values_are_validated():
         make_spec(cell_time_budget_s=0)
     with pytest.raises(ValueError, match="max_loaded_remeasures"):
         make_spec(max_loaded_remeasures=-1)
+
+
+def test_engine_version_is_left_out_when_unset_and_pins_a_queue_when_set():
+    plain = make_spec()
+    assert "engine_version" not in plain.to_dict()
+    assert plain.queue == "cpu"
+    pinned = plain.with_engine_version("0.31.0", version=2)
+    assert pinned.to_dict()["engine_version"] == "0.31.0"
+    assert ProtocolSpec.from_dict(pinned.to_dict()) == pinned
+    assert pinned.sha256() != plain.sha256()
+    assert pinned.queue == "cpu.vllm-0.31.0"
+    assert pinned.with_engine_version("0.30.0", version=3).queue == "cpu.vllm-0.30.0"
+
+
+def test_the_family_hash_ignores_only_the_version_and_the_engine_version():
+    plain = make_spec()
+    assert plain.with_engine_version("0.31.0", version=7).family_sha256() == plain.family_sha256()
+    for other in (make_spec(max_new_tokens=64), make_spec(ks=(2, 4)), make_spec(hardware="h100"),
+                  make_spec(engine="sglang"), make_spec(slug="q")):
+        assert other.family_sha256() != plain.family_sha256()
+
+
+@pytest.mark.parametrize("bad", ["", "latest", "0.31", "0.31.0; rm", "0.31.0/x", "v0.31.0"])
+def test_an_engine_version_must_be_a_release_number(bad):
+    if bad == "0.31":   # two parts are a release too
+        assert make_spec(engine_version=bad).queue == "cpu.vllm-0.31"
+        return
+    with pytest.raises(ValueError, match="engine_version"):
+        make_spec(engine_version=bad)

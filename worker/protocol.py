@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+
+# An engine version a protocol may pin: a release number, optionally with a local or
+# pre-release tail ("0.31.0", "0.9.2rc1", "0.32.0+cpu"); it names a Celery queue too.
+_VERSION_RE = re.compile(r"[0-9]+(\.[0-9]+){1,3}([a-z0-9.+-]{0,20})?")
 
 # How a prompt with several user turns is sent. Only the first turn is sent, through the
 # target's chat template: later turns would need the model's own earlier answers, which
@@ -39,6 +44,20 @@ DEFAULT_LOADED_REMEASURES = 2
 # of the canonical JSON when unset so that older protocols' hashes do not change.
 V3_KEYS = ("target_half_width", "max_repetitions", "cell_time_budget_s",
            "max_loaded_remeasures", "prompts_by_batch_size")
+
+# Keys that may differ between protocol versions of one family (see ProtocolSpec.family_sha256):
+# the version itself and the engine version it pins. Anything else changes what is measured.
+FAMILY_FREE_KEYS = ("version", "engine_version")
+
+
+def engine_queue(hardware: str, engine: str, engine_version: str | None) -> str:
+    """The Celery queue that measures runs of this (hardware class, engine, engine version):
+    the hardware class itself when no version is pinned (the deployment's default engine
+    serves it), else e.g. ``cpu.vllm-0.31.0``. One rule: the site sends runs here and a
+    worker consumes the queues of what its environment holds (leaderboard.queues)."""
+    if not engine_version:
+        return hardware
+    return f"{hardware}.{engine}-{engine_version}"
 
 
 @dataclass(frozen=True)
@@ -107,9 +126,19 @@ class ProtocolSpec:
     #   costs a request latency per pass at batch size 1 and about 1/b of one at b, so
     #   a protocol can take many prompts where they are cheap. Unset batch sizes: all.
     prompts_by_batch_size: dict = field(default_factory=dict)
+    # The engine version the protocol pins (e.g. "0.31.0", the engine package's version):
+    # its runs go to that version's queue (engine_queue). Unset (every protocol before
+    # engine versions, left out of the JSON so their hashes do not change): the deployment's
+    # default engine measures it and each run records the version it used.
+    engine_version: str | None = None
 
     def __post_init__(self):
         problems = []
+        version = self.engine_version
+        if version is not None and not (isinstance(version, str)
+                                        and _VERSION_RE.fullmatch(version)):
+            problems.append(f"engine_version must be a release such as 0.31.0, not "
+                            f"{self.engine_version!r}")
         if not self.tasks:
             problems.append("at least one task is needed")
         if any(b < 1 for b in self.batch_sizes) or not self.batch_sizes:
@@ -221,6 +250,7 @@ class ProtocolSpec:
                if self.baseline != "shared" else {}),
             # Version 3: only the keys set (see V3_KEYS).
             **self._v3_dict(),
+            **({"engine_version": self.engine_version} if self.engine_version else {}),
         }
 
     @classmethod
@@ -243,6 +273,24 @@ class ProtocolSpec:
         else:
             d.pop("prompts_by_batch_size", None)
         return cls(**d)
+
+    @property
+    def queue(self) -> str:
+        """The Celery queue its runs go to (engine_queue)."""
+        return engine_queue(self.hardware, self.engine, self.engine_version)
+
+    def family_sha256(self) -> str:
+        """The hash of everything but FAMILY_FREE_KEYS: protocol versions with one family
+        hash measure the same thing (target, prompts, sampling, batch sizes, k, passes) and
+        differ only by the engine version they pin, so a drafter's figures under them form
+        its history across engine versions."""
+        d = {k: v for k, v in self.to_dict().items() if k not in FAMILY_FREE_KEYS}
+        return hashlib.sha256(canonical_json(d).encode()).hexdigest()
+
+    def with_engine_version(self, engine_version: str, version: int) -> ProtocolSpec:
+        """This spec pinned to another engine version, as protocol version `version`."""
+        return ProtocolSpec.from_dict({**self.to_dict(), "engine_version": engine_version,
+                                       "version": version})
 
     @property
     def task_names(self) -> tuple[str, ...]:
