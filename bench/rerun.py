@@ -9,8 +9,9 @@ measured in two of the runs (every pair of runs):
 
 - both speedups and their difference;
 - z_stored = (log s_a - log s_b) / sqrt(se_a^2 + se_b^2), each se from the interval the
-  site stores (within-run, widened by the protocol's between-run variance once
-  `manage.py calibrate_protocol` has run), on the side facing the other speedup;
+  site stores and ranks by, on the side facing the other speedup: once
+  `manage.py calibrate_protocol` has run, the rerun interval (passes with the prompts
+  fixed, plus the protocol's between-run variance); before, the interval across prompts;
 - z_within: the same from the within-run intervals alone, recomputed from the records
   (what the intervals were before the calibration);
 - z_rerun = (log s_a - log s_b) / sqrt(p_a^2 + p_b^2 + 2 tau^2): p each cell's passes'
@@ -18,7 +19,8 @@ measured in two of the runs (every pair of runs):
   variance cancels) and tau^2 the protocol's between-run variance (or, with --estimate,
   the one these runs give: in-sample).
 and the share of cells with |z| <= 1.96 in each column: calibrated means about 95% for
-z_rerun; z_stored is conservative (the prompts' variance is in the stored intervals);
+z_rerun and, on a calibrated protocol, for z_stored (conservative before: the prompts'
+variance is in the interval across prompts);
 z_within far below 95% is what the issue found. worker.calibration.rerun_table is the
 table; tests/test_calibration.py tests it on seeded records.
 
@@ -117,7 +119,8 @@ def report(run_ids, estimate_here=False):
         for r in Result.objects.filter(run__in=run_list, k__gt=0, speedup__isnull=False)
         .select_related("run")]
     tau2 = ProtocolCalibration.variance_for(protocol.pk)
-    source = "the protocol's calibration" if tau2 else "none stored (0)"
+    source = "the protocol's calibration" if tau2 is not None else "none stored (0)"
+    tau2 = tau2 or 0.0
     if estimate_here:
         tau2 = calibration.between_run_variance(within).variance
         source = "estimated from these runs (in-sample)"
@@ -148,8 +151,15 @@ def report(run_ids, estimate_here=False):
               for m in stored if m.low is not None and m.high is not None]
     b4 = [max(m.high - m.speedup, m.speedup - m.low) / m.speedup * 100
           for m in stored if m.low is not None and m.high is not None and m.key[2] >= 4]
+    prompts = [max(r.speedup_prompts_high - r.speedup, r.speedup - r.speedup_prompts_low)
+               / r.speedup * 100 for r in Result.objects.filter(
+                   run__in=run_list, k__gt=0, batch_size__gte=4,
+                   speedup_prompts_low__isnull=False)]
+    if prompts:
+        print(f"across-prompts half-widths at b >= 4: median {statistics.median(prompts):.1f}%,"
+              f" max {max(prompts):.1f}%")
     if widths:
-        print(f"stored half-widths: median {statistics.median(widths):.1f}%, max "
+        print(f"stored (ranking) half-widths: median {statistics.median(widths):.1f}%, max "
               f"{max(widths):.1f}%" + (f"; at b >= 4 median {statistics.median(b4):.1f}%, "
                                        f"max {max(b4):.1f}%" if b4 else ""))
     return rows

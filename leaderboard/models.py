@@ -393,6 +393,18 @@ class Result(models.Model):
     speedup = models.FloatField(null=True, blank=True)
     speedup_low = models.FloatField(null=True, blank=True)
     speedup_high = models.FloatField(null=True, blank=True)
+    # The speedup's two 95% intervals (services.runs.speedup_with_interval; docs/measurement.md
+    # "Two intervals"). speedup_low/high, what the leaderboard ranks by: where a rerun on the
+    # protocol's prompts would land (the passes' log standard error with the prompts held
+    # fixed, speedup_passes_se, and the protocol's between-run variance,
+    # speedup_between_run_variance); before the protocol is calibrated, the interval across
+    # prompts. speedup_prompts_low/high: across prompts (prompts as clusters, then passes,
+    # plus the between-run variance): how far the speedup may move on other prompts of the
+    # task's kind.
+    speedup_prompts_low = models.FloatField(null=True, blank=True)
+    speedup_prompts_high = models.FloatField(null=True, blank=True)
+    speedup_passes_se = models.FloatField(null=True, blank=True)
+    speedup_between_run_variance = models.FloatField(null=True, blank=True)
     # The cell speedup divides by (leaderboard/services/baselines.py picks it, once: every
     # read follows this key, so a stored speedup is pinned to the cells it divided by).
     baseline_result = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL,
@@ -454,6 +466,10 @@ class Result(models.Model):
         "pass_throughputs", "host_load", "loaded", "checks",
         # protocol v3 (null / 0 on older rows)
         "passes_stop", "remeasured_passes",
+        # the speedup's interval across prompts beside the ranking one, and what the ranking
+        # one is built from (null on rows divided before them)
+        "speedup_prompts_low", "speedup_prompts_high", "speedup_passes_se",
+        "speedup_between_run_variance",
     )
 
     def as_cell_dict(self) -> dict:
@@ -521,9 +537,9 @@ class ProtocolCalibration(models.Model):
         return f"{self.protocol}: between-run variance {self.between_run_variance:.3g}"
 
     @classmethod
-    def variance_for(cls, protocol_id) -> float:
-        """The between-run variance that applies to the protocol's cells now (0.0 when it
-        was never calibrated)."""
+    def variance_for(cls, protocol_id) -> float | None:
+        """The between-run variance that applies to the protocol's cells now (None when it
+        was never calibrated: no rerun has measured it yet)."""
         value = (cls.objects.filter(protocol_id=protocol_id).order_by("-created_at", "-pk")
                  .values_list("between_run_variance", flat=True).first())
-        return float(value or 0.0)
+        return None if value is None else float(value)

@@ -229,6 +229,10 @@ class TestCalibrateProtocol:
         before = {r.pk: (r.speedup, r.speedup_low, r.speedup_high)
                   for r in Result.objects.filter(run__in=made, k__gt=0)}
         assert len(before) == 16 and all(lo < s < hi for s, lo, hi in before.values())
+        # ... and, uncalibrated, the ranking interval is the one across prompts
+        for r in Result.objects.filter(run__in=made, k__gt=0):
+            assert (r.speedup_prompts_low, r.speedup_prompts_high) == before[r.pk][1:]
+            assert r.speedup_between_run_variance is None and r.speedup_passes_se > 0
         # The expected estimate, from the records the service reads, by the pure function.
         measured = service.measured_within_run(made)
         assert len(measured) == 16 and all(m.passes_se for m in measured)
@@ -246,12 +250,24 @@ class TestCalibrateProtocol:
         text = out.getvalue()
         assert "16 cell intervals changed" in text and f"runs {made[0].pk}, {made[1].pk}" in text
 
+        passes_se = {(m.run_id, *m.key[1:]): m.passes_se for m in measured}
         for r in Result.objects.filter(run__in=made, k__gt=0):
             s, lo, hi = before[r.pk]
             assert r.speedup == pytest.approx(s)
+            # across prompts: the within-run interval widened by tau^2
             wlo, whi = cal.widen(s, lo, hi, row.between_run_variance)
-            assert (r.speedup_low, r.speedup_high) == (pytest.approx(wlo), pytest.approx(whi))
-            assert r.speedup_low < lo and r.speedup_high > hi
+            assert (r.speedup_prompts_low, r.speedup_prompts_high) == (pytest.approx(wlo),
+                                                                       pytest.approx(whi))
+            assert r.speedup_prompts_low < lo and r.speedup_prompts_high > hi
+            # ranked by: the passes (prompts fixed) and tau^2, narrower than across prompts
+            p = passes_se[(r.run_id, r.task, r.batch_size, float(r.temperature), r.k)]
+            assert r.speedup_passes_se == pytest.approx(p)
+            assert r.speedup_between_run_variance == pytest.approx(row.between_run_variance)
+            half = cal.Z * math.sqrt(p ** 2 + row.between_run_variance)
+            assert (r.speedup_low, r.speedup_high) == (pytest.approx(s * math.exp(-half)),
+                                                       pytest.approx(s * math.exp(half)))
+            assert r.speedup_prompts_low < r.speedup_low < s < r.speedup_high \
+                < r.speedup_prompts_high
 
         # Again: the estimate comes from the records (within-run), not from the widened
         # stored bounds, so it is the same and nothing changes.
@@ -278,8 +294,12 @@ class TestCalibrateProtocol:
         stored = Result.objects.get(run=new_run, k=2)
         point, lo, hi = speedup_interval(d, b)
         wlo, whi = cal.widen(point, lo, hi, row.between_run_variance)
-        assert (stored.speedup_low, stored.speedup_high) == (pytest.approx(wlo),
-                                                             pytest.approx(whi))
+        assert (stored.speedup_prompts_low, stored.speedup_prompts_high) == (
+            pytest.approx(wlo), pytest.approx(whi))
+        rlo, rhi = cal.rerun_interval(point, speedup_passes_standard_error(d, b),
+                                      row.between_run_variance)
+        assert (stored.speedup_low, stored.speedup_high) == (pytest.approx(rlo),
+                                                             pytest.approx(rhi))
 
     def test_dry_run_stores_nothing(self):
         from leaderboard.models import ProtocolCalibration, Result

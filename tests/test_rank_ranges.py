@@ -68,8 +68,9 @@ def test_an_overlap_chain_widens_each_range_only_by_its_own_overlaps():
     mark_ties(rows)
     rank_ranges(rows)
     assert ranges(rows) == [(1, 2), (1, 3), (2, 3), (4, 4)]
-    # the ties chain (C shares A's rank through B); the range says C cannot be first
-    assert [(r["rank"], r["tied"]) for r in rows] == [(1, True), (1, True), (1, True),
+    # a rank is the first of its range: C cannot be first, so the chain through B does not
+    # give it A's rank
+    assert [(r["rank"], r["tied"]) for r in rows] == [(1, True), (1, True), (2, True),
                                                      (4, False)]
     for position, r in enumerate(rows, 1):
         assert r["rank_low"] <= position <= r["rank_high"]

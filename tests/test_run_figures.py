@@ -81,7 +81,9 @@ def test_a_landing_cell_recomputes_only_its_own_run(site):
     run_figures.groups(ids)
     with CaptureQueriesContext(connection) as kept:
         run_figures.groups(ids)
-    assert len(kept) == 2  # the runs' states; nothing read from the results
+    # the runs' states (the runs, their baselines, their protocols' calibrations); nothing
+    # read from the results
+    assert len(kept) == 3
     land(landing, site["cells"][1])
     with CaptureQueriesContext(connection) as after:
         run_figures.groups(ids)
@@ -89,6 +91,19 @@ def test_a_landing_cell_recomputes_only_its_own_run(site):
                     if "leaderboard_result" in q["sql"] and "k\" > 0" in q["sql"]]
     assert len(cell_queries) == 1
     assert f"IN ({landing.pk})" in cell_queries[0]  # this run's cells, no other run's
+
+
+def test_a_calibration_changes_the_runs_states(site):
+    """A calibration re-divides the protocol's cells without changing any run: the kept
+    figures must not outlive it."""
+    from leaderboard.models import ProtocolCalibration
+
+    ids = run_ids(site)
+    before = run_figures.run_states(ids)
+    ProtocolCalibration.objects.create(protocol=site["protocol"], between_run_variance=1e-4,
+                                       cells=1, degrees_of_freedom=1)
+    after = run_figures.run_states(ids)
+    assert set(before) == set(after) and all(before[i] != after[i] for i in ids)
 
 
 def test_a_shared_baseline_succeeding_refreshes_the_kept_speedups(site):

@@ -74,6 +74,21 @@ def widen(point, low, high, variance: float, z: float = Z):
     return point * math.exp(-below), point * math.exp(above)
 
 
+def rerun_interval(point, passes_se, variance, z: float = Z):
+    """(low, high) of the interval a rerun on the same prompts would fall in: the passes'
+    log standard error (prompts held fixed) and the between-run ``variance``, log
+    half-width z sqrt(passes_se^2 + variance). This is the interval the leaderboard ranks
+    by: two drafters of one protocol are measured on the same prompts, so what the prompts
+    add (P_c in the model above) is common to both and cannot reorder them; what can is the
+    pass-to-pass noise and the between-run shift. (None, None) without a passes_se, or
+    without a calibration (``variance`` None): a passes-only interval would claim a
+    precision that reruns do not show."""
+    if passes_se is None or variance is None or not _positive(point) or passes_se < 0:
+        return None, None
+    half = z * math.sqrt(passes_se * passes_se + max(variance, 0.0))
+    return point * math.exp(-half), point * math.exp(half)
+
+
 @dataclass(frozen=True)
 class Measured:
     """One cell of one run: its key (drafter, task, batch size, temperature, k: what must

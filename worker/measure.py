@@ -86,6 +86,10 @@ class MeasureJob:
     # vLLM's synthetic acceptance at this mean AL for every k (a calibration of the
     # break-even map, GPU only: worker.methods.synthetic_acceptance_config)
     synthetic_acceptance_length: float | None = None
+    # The protocol's between-run variance of the log-speedup (the site's newest
+    # ProtocolCalibration; None before one): adaptive passes stop on the interval the
+    # leaderboard ranks by (group_half_widths).
+    between_run_variance: float | None = None
 
 
 # --------------------------------------------------------------------------- engine info
@@ -336,15 +340,29 @@ def relative_half_width(point, low, high) -> float | None:
     return max(high - point, point - low) / abs(point)
 
 
-def group_half_widths(records: dict) -> list[float | None]:
+def group_half_widths(records: dict, between_run_variance: float | None = None
+                      ) -> list[float | None]:
     """Relative half-widths a group is judged by, from each cell's records so far
-    ({Cell: [records]}): every drafter cell's speedup over the group's baseline cell
-    (worker.intervals.speedup_interval); a group without both (a baseline run, a drafter
-    under a shared baseline) its cells' throughput intervals."""
-    from worker import intervals
+    ({Cell: [records]}): every drafter cell's speedup over the group's baseline cell, by
+    the interval the leaderboard ranks by (the site's services.runs.speedup_with_interval):
+    with the protocol's ``between_run_variance`` (calibrated) the rerun interval
+    (worker.calibration.rerun_interval: the passes with the prompts held fixed, plus the
+    variance), else the interval across prompts (worker.intervals.speedup_interval). A
+    group without both (a baseline run, a drafter under a shared baseline) is judged by
+    its cells' throughput intervals."""
+    from worker import calibration, intervals
 
     base = next((recs for cell, recs in records.items() if cell.k == 0), None)
     drafters = [recs for cell, recs in records.items() if cell.k > 0]
+    if base is not None and drafters and between_run_variance is not None:
+        widths = []
+        for recs in drafters:
+            d_thr, b_thr = intervals.throughput(recs), intervals.throughput(base)
+            point = d_thr / b_thr if d_thr and b_thr else None
+            widths.append(relative_half_width(point, *calibration.rerun_interval(
+                point, intervals.speedup_passes_standard_error(recs, base),
+                between_run_variance)))
+        return widths
     if base is not None and drafters:
         return [relative_half_width(*intervals.speedup_interval(recs, base))
                 for recs in drafters]
@@ -391,7 +409,8 @@ def _group_name(group) -> str:
 
 
 def measure_group(group: list[Cell], spec: ProtocolSpec, measure, records_of, log=print,
-                  clock=time.monotonic) -> GroupPasses:
+                  clock=time.monotonic, between_run_variance: float | None = None
+                  ) -> GroupPasses:
     """The passes of one group. ``measure(cell, repetition) -> PassResult`` measures one
     pass; ``records_of(cell, pass) -> [records]`` gives its per-request records.
 
@@ -402,7 +421,7 @@ def measure_group(group: list[Cell], spec: ProtocolSpec, measure, records_of, lo
     most ``spec.loaded_remeasure_limit`` times per group; past that a loaded group-pass is
     kept (its cells stay ``loaded``). Then ``stop_reason`` decides whether to measure
     another pass (adaptive passes: the half-widths are computed only when it may stop on
-    them)."""
+    them, by ``group_half_widths`` with the protocol's ``between_run_variance``)."""
     passes = {cell: [] for cell in group}
     remeasured = {cell: [] for cell in group}
     records = {cell: [] for cell in group}
@@ -429,8 +448,8 @@ def measure_group(group: list[Cell], spec: ProtocolSpec, measure, records_of, lo
                 records[cell] += records_of(cell, p)
         kept_s.append(clock() - t_pass)
         n = rep + 1
-        widths = (group_half_widths(records) if spec.adaptive and n >= spec.repetitions
-                  else None)
+        widths = (group_half_widths(records, between_run_variance)
+                  if spec.adaptive and n >= spec.repetitions else None)
         stop = stop_reason(spec, n, clock() - t0, sum(kept_s) / len(kept_s), widths)
         if stop:
             if spec.adaptive:
@@ -471,7 +490,8 @@ def _measure_groups(job, info, groups, log, pool=None):
 
             measured = measure_group(
                 group, spec, measure,
-                lambda cell, p: pass_records(cell, p, eos_ids, cell.k > 0), log)
+                lambda cell, p: pass_records(cell, p, eos_ids, cell.k > 0), log,
+                between_run_variance=job.between_run_variance)
             for cell in group:
                 engine = alive[cell.k]
                 actual = getattr(engine, "prefix_caching", None)

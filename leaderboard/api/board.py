@@ -65,8 +65,13 @@ class LeaderboardRowOut(Out):
     speedup: Optional[float] = Field(description="throughput / the pinned baseline cells' "
                                                  "(worker/analysis/speedups.py); null until "
                                                  "they are measured")
-    speedup_low: Optional[float] = Field(description="95% interval of the speedup, low")
+    speedup_low: Optional[float] = Field(description="95% interval of the speedup, low: "
+                                                     "the one ranks come from (a rerun on "
+                                                     "the protocol's prompts)")
     speedup_high: Optional[float] = Field(description="95% interval of the speedup, high")
+    speedup_prompts_low: Optional[float] = Field(None, description="95% interval of the "
+                                                 "speedup across prompts, low")
+    speedup_prompts_high: Optional[float] = Field(None, description="its high bound")
     lossless_share: Optional[float] = Field(description="at temperature 0: share of requests "
                                                         "equal to the baseline's output")
     baseline_throughput: Optional[float] = Field(description="throughput of the baseline "

@@ -83,8 +83,10 @@ class ResultOut(Out):
     output_throughput_high: Optional[float] = Field(description="95% interval, high")
     acceptance_length_low: Optional[float] = Field(description="95% interval, low")
     acceptance_length_high: Optional[float] = Field(description="95% interval, high")
-    speedup_low: Optional[float] = Field(description="95% interval of the speedup, low "
-                                                     "(paired bootstrap with its baseline cell)")
+    speedup_low: Optional[float] = Field(description="95% interval of the speedup that the "
+                                                     "leaderboard ranks by, low: a rerun on "
+                                                     "the protocol's prompts (docs/"
+                                                     "measurement.md, Two intervals)")
     speedup_high: Optional[float] = Field(description="95% interval of the speedup, high")
     pass_throughputs: Optional[list[float]] = Field(description="throughput of each pass")
     host_load: Optional[float] = Field(description="CPU cores used by other processes while "
@@ -96,6 +98,15 @@ class ResultOut(Out):
                                        "measuring passes: fixed, target, budget, max")
     remeasured_passes: Optional[int] = Field(None, description="passes measured again "
                                              "because the engine's cores were loaded")
+    speedup_prompts_low: Optional[float] = Field(None, description="95% interval of the "
+                                                 "speedup across prompts, low (other prompts "
+                                                 "of the task's kind)")
+    speedup_prompts_high: Optional[float] = Field(None, description="its high bound")
+    speedup_passes_se: Optional[float] = Field(None, description="standard error of the "
+                                               "log-speedup from the passes, prompts fixed")
+    speedup_between_run_variance: Optional[float] = Field(
+        None, description="the protocol's between-run variance of the log-speedup in the "
+        "intervals (null: not calibrated when the cell was divided)")
     baseline_result_id: Optional[int] = Field(description="the baseline cell speedup divides by")
     baseline_run_id: Optional[int] = Field(description="its run (the same run when paired)")
     run_drift: Optional[float] = Field(description="the run's drift between baseline passes")

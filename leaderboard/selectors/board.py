@@ -26,7 +26,8 @@ RUN_FIELDS = ("id", "drafter_id", "protocol_id", "engine_version", "hardware",
               "hardware_description", "artifact", "queued_at", "state", "cells_done",
               "cells_total", "attempts", "finished_at")
 # A group's figures that a row carries beside the common ones (selectors.run_figures).
-GROUP_EXTRA = ("speedup", "speedup_low", "speedup_high", "output_throughput_low",
+GROUP_EXTRA = ("speedup", "speedup_low", "speedup_high", "speedup_prompts_low",
+               "speedup_prompts_high", "output_throughput_low",
                "output_throughput_high", "acceptance_length_low", "acceptance_length_high",
                "tokens_per_step", "engine_acceptance_length", "baseline_runs", "paired")
 DRAFTER_FIELDS = ("slug", "name", "method", "owner_id", "owner__username", "review_state",

@@ -27,13 +27,13 @@ from django.conf import settings
 from django.core.cache import cache
 from django.db.models import Count, Max
 
-from ..models import Result, Run
+from ..models import ProtocolCalibration, Result, Run
 from worker.analysis import speedups
 from .pinned import baseline_runs_of, pinned_for
 from .shapes import aggregate_cells, fast_url
 
 # Bump when a group's shape or a figure's computation changes: old pieces are then ignored.
-VERSION = 1
+VERSION = 2
 
 
 def compute_groups(run_ids, *, task=None, batch_size=None, temperature=None) -> dict:
@@ -41,7 +41,8 @@ def compute_groups(run_ids, *, task=None, batch_size=None, temperature=None) -> 
     size, temperature, k), over `task` or all tasks (None); None for a filter means every
     value. A group: {"batch_size", "temperature", "k", "cells", "requests",
     "acceptance_length", "acceptance_rate", "output_throughput", "lossless_share",
-    "speedup", "speedup_low", "speedup_high", "output_throughput_low",
+    "speedup", "speedup_low", "speedup_high", "speedup_prompts_low", "speedup_prompts_high",
+    "output_throughput_low",
     "output_throughput_high", "acceptance_length_low", "acceptance_length_high",
     "tokens_per_step", "engine_acceptance_length", "baseline_throughput",
     "baseline_runs", "paired"}. Two queries."""
@@ -81,22 +82,30 @@ STATE_FIELDS = ("state", "cells_done", "attempts", "finished_at", "engine_versio
 
 
 def baseline_states(protocol_ids) -> dict[tuple, tuple]:
-    """{(protocol id, hardware): state of its succeeded baseline runs}. One query."""
-    return {(b["protocol_id"], b["hardware"]): (b["n"], b["last"], str(b["finished"]))
-            for b in Run.objects.filter(protocol_id__in=set(protocol_ids), drafter__isnull=True,
-                                        state=Run.SUCCEEDED)
-            .values("protocol_id", "hardware")
-            .annotate(n=Count("id"), last=Max("id"), finished=Max("finished_at")).order_by()}
+    """{(protocol id, hardware): state of its succeeded baseline runs} and {("calibration",
+    protocol id): its newest calibration}: a calibration re-divides the protocol's cells
+    (services.calibration.apply) without changing any run. Two queries."""
+    protocol_ids = set(protocol_ids)
+    states = {(b["protocol_id"], b["hardware"]): (b["n"], b["last"], str(b["finished"]))
+              for b in Run.objects.filter(protocol_id__in=protocol_ids, drafter__isnull=True,
+                                          state=Run.SUCCEEDED)
+              .values("protocol_id", "hardware")
+              .annotate(n=Count("id"), last=Max("id"), finished=Max("finished_at")).order_by()}
+    for c in (ProtocolCalibration.objects.filter(protocol_id__in=protocol_ids)
+              .values("protocol_id").annotate(last=Max("id")).order_by()):
+        states[("calibration", c["protocol_id"])] = c["last"]
+    return states
 
 
 def run_state(run: dict, baselines: dict) -> tuple:
     """The state of a run (a dict with "protocol_id", "hardware" and STATE_FIELDS)."""
     return (*(str(run[f]) for f in STATE_FIELDS),
-            baselines.get((run["protocol_id"], run["hardware"])))
+            baselines.get((run["protocol_id"], run["hardware"])),
+            baselines.get(("calibration", run["protocol_id"])))
 
 
 def run_states(run_ids) -> dict[int, tuple]:
-    """{run id: its state} (see the module's docstring). Two queries."""
+    """{run id: its state} (see the module's docstring). Three queries."""
     rows = list(Run.objects.filter(pk__in=list(run_ids)).values(
         "id", "protocol_id", "hardware", *STATE_FIELDS))
     baselines = baseline_states(r["protocol_id"] for r in rows)
@@ -115,10 +124,10 @@ def cache_enabled() -> bool:
 # A group as kept: its values in this order (a tuple pickles and loads faster than a dict).
 GROUP_FIELDS = ("batch_size", "temperature", "k", "cells", "requests", "acceptance_length",
                 "acceptance_rate", "output_throughput", "lossless_share", "speedup",
-                "speedup_low", "speedup_high", "output_throughput_low",
-                "output_throughput_high", "acceptance_length_low", "acceptance_length_high",
-                "tokens_per_step", "engine_acceptance_length", "baseline_throughput",
-                "baseline_runs", "paired")
+                "speedup_low", "speedup_high", "speedup_prompts_low", "speedup_prompts_high",
+                "output_throughput_low", "output_throughput_high", "acceptance_length_low",
+                "acceptance_length_high", "tokens_per_step", "engine_acceptance_length",
+                "baseline_throughput", "baseline_runs", "paired")
 
 
 def groups(run_ids, *, task=None, batch_size=None, temperature=None, k=None,

@@ -185,7 +185,8 @@ def build_job(run: Run):
         raise RunError(f"target {target.slug}: checkpoint folder {target.path!r} is missing on "
                        f"this worker ({worker_host()}); run `manage.py setup_demo` here")
     return MeasureJob(spec=protocol.spec, target_path=target.path, drafter=spec,
-                      prompts=prompts_for(protocol), skip=done)
+                      prompts=prompts_for(protocol), skip=done,
+                      between_run_variance=ProtocolCalibration.variance_for(protocol.pk))
 
 
 # ---- recording -----------------------------------------------------------------------
@@ -209,14 +210,14 @@ def divide_by_baseline(result: Result, outputs: dict | None = None, run_records=
                             else records.RunRecords(base.run_id))
     cell, base_cell = Cell.of(result), Cell.of(base, k=0)
     result.baseline_result = base
-    result.speedup, result.speedup_low, result.speedup_high = speedup_with_interval(
-        result, base, run_records.cell(cell), baseline_records.cell(base_cell))
+    for name, value in speedup_with_interval(result, base, run_records.cell(cell),
+                                             baseline_records.cell(base_cell)).items():
+        setattr(result, name, value)
     if result.temperature == 0:
         if outputs is None:
             outputs = run_records.outputs(cell)
         result.lossless_share = metrics.lossless_share(outputs, baseline_records.outputs(base_cell))
-    result.save(update_fields=["baseline_result", "speedup", "speedup_low", "speedup_high",
-                               "lossless_share"])
+    result.save(update_fields=["baseline_result", *SPEEDUP_FIELDS, "lossless_share"])
     return True
 
 
@@ -232,17 +233,38 @@ def within_run_speedup(result: Result, base: Result, drafter_records, baseline_r
     return metrics.speedup(result.output_throughput, base.output_throughput), None, None
 
 
-def speedup_with_interval(result: Result, base: Result, drafter_records, baseline_records):
-    """(speedup, low, high) as stored: the within-run interval (`within_run_speedup`)
-    widened by the protocol's between-run variance of the log-speedup, the newest
-    ProtocolCalibration (worker.calibration.widen; nothing added before a protocol is
-    calibrated). Pages, the API and the CSV read these stored bounds."""
+# The stored speedup figures of a drafter cell (speedup_with_interval; Result's comments).
+SPEEDUP_FIELDS = ("speedup", "speedup_low", "speedup_high", "speedup_prompts_low",
+                  "speedup_prompts_high", "speedup_passes_se", "speedup_between_run_variance")
+
+
+def speedup_with_interval(result: Result, base: Result, drafter_records, baseline_records,
+                          variance: float | None = None) -> dict:
+    """{SPEEDUP_FIELDS: value} as stored, with the protocol's between-run variance of the
+    log-speedup (`variance`, else the newest ProtocolCalibration; None before the protocol
+    is calibrated):
+    - the interval across prompts: the within-run interval (`within_run_speedup`) widened
+      by the variance (worker.calibration.widen);
+    - speedup_low/high, the one the leaderboard ranks by: the rerun interval, the passes'
+      log standard error with the prompts held fixed and the variance
+      (worker.calibration.rerun_interval); the interval across prompts where there is no
+      calibration or no passes' standard error (one pass), so a bound is never narrower
+      than a rerun has shown. Pages, the API and the CSV read these stored bounds."""
+    from worker import calibration, intervals
+
     point, low, high = within_run_speedup(result, base, drafter_records, baseline_records)
-    variance = ProtocolCalibration.variance_for(result.run.protocol_id)
+    if variance is None:
+        variance = ProtocolCalibration.variance_for(result.run.protocol_id)
     if variance:
-        from worker import calibration
         low, high = calibration.widen(point, low, high, variance)
-    return point, low, high
+    passes_se = (intervals.speedup_passes_standard_error(drafter_records, baseline_records)
+                 if low is not None else None)
+    rank_low, rank_high = calibration.rerun_interval(point, passes_se, variance)
+    if rank_low is None:
+        rank_low, rank_high = low, high
+    return dict(speedup=point, speedup_low=rank_low, speedup_high=rank_high,
+                speedup_prompts_low=low, speedup_prompts_high=high,
+                speedup_passes_se=passes_se, speedup_between_run_variance=variance)
 
 
 def record_cell(run: Run, cell_result) -> Result:

@@ -66,10 +66,12 @@ def percent_width(value):
 @register.filter
 def pm(row, prefix="speedup"):
     """" ± h" after a figure: h is the larger half-width of its 95% interval (the interval
-    need not be symmetric; the larger side is shown); empty without an interval."""
+    need not be symmetric; the larger side is shown); empty without an interval. The prefix
+    "speedup_prompts" is the speedup's interval across prompts, about the speedup."""
+    point = prefix.removesuffix("_prompts")
     if not isinstance(row, dict):
-        row = {f: getattr(row, f, None) for f in (prefix, f"{prefix}_low", f"{prefix}_high")}
-    v, lo, hi = row.get(prefix), row.get(f"{prefix}_low"), row.get(f"{prefix}_high")
+        row = {f: getattr(row, f, None) for f in (point, f"{prefix}_low", f"{prefix}_high")}
+    v, lo, hi = row.get(point), row.get(f"{prefix}_low"), row.get(f"{prefix}_high")
     if v is None or lo is None or hi is None:
         return ""
     digits = 1 if prefix == "output_throughput" else 2

@@ -9,12 +9,20 @@ where any cell lacks its pinned baseline there is no speedup, rather than one ov
 different set of tasks. Callers pass the pinned baseline cells as {cell_key: cell}; no
 caller matches a baseline of its own.
 
-Intervals over several cells: each cell's 95% interval is turned into relative half-widths
-below and above its estimate; the pooled figure's are the cells' combined in quadrature,
-each weighted by the cell's share of the group's wall time (a pooled throughput is the
-wall-time-weighted mean of the cells' throughputs, and the cells of different tasks are
-measured on different prompts, so their errors are independent). One cell: its own stored
-interval."""
+Intervals over several cells: each cell's 95% interval is turned into log standard errors
+below and above its estimate (log half-width / z); the pooled figure's are the cells'
+combined in quadrature, each weighted by the cell's share of the group's wall time (a pooled
+throughput is the wall-time-weighted mean of the cells' throughputs, and the cells of
+different tasks are measured on different prompts, so their within-run errors are
+independent). A speedup interval also carries the protocol's between-run variance
+(`speedup_between_run_variance`, worker.calibration), which is not independent between the
+cells of one run: a rerun moved every cell the same way (docs/measurement.md). It is taken
+out of every cell's before they are combined and added once to the pooled one, so pooling
+cells never averages it away. One cell: its own stored interval.
+
+A drafter cell's speedup has two intervals (services.runs.speedup_with_interval): the one
+the leaderboard ranks by (`speedup_low/high`: where a rerun on the protocol's prompts would
+land) and the one across prompts (`speedup_prompts_low/high`). Both are pooled by this rule."""
 from __future__ import annotations
 
 import math
@@ -23,6 +31,7 @@ from collections import defaultdict
 import numpy as np
 
 from worker import metrics
+from worker.calibration import Z
 from worker.protocol import Cell
 
 
@@ -36,20 +45,30 @@ def by_key(baseline_cells) -> dict[tuple, dict]:
     return {cell_key(c): c for c in baseline_cells}
 
 
-def combined_interval(point, parts):
+def combined_interval(point, parts, shared_variance: float | None = None):
     """(low, high) of a pooled figure `point` from (weight, estimate, low, high) of its
-    cells (see the module's docstring); (None, None) when a cell has no interval."""
+    cells, with `shared_variance` (of the log figure, in every cell's interval and common
+    to all of them) counted once (see the module's docstring); (None, None) when a cell has
+    no interval."""
     if point is None or not parts:
         return None, None
     if len(parts) == 1:
         _, est, lo, hi = parts[0]
         return lo, hi
     total = sum(w for w, *_ in parts) or 0.0
-    if not total or any(lo is None or hi is None or not est for _, est, lo, hi in parts):
+    if not total or point <= 0 or any(lo is None or hi is None or not est or est <= 0
+                                      or lo <= 0 for _, est, lo, hi in parts):
         return None, None
-    below = math.sqrt(sum((w / total * (est - lo) / est) ** 2 for w, est, lo, hi in parts))
-    above = math.sqrt(sum((w / total * (hi - est) / est) ** 2 for w, est, lo, hi in parts))
-    return point * (1 - below), point * (1 + above)
+    shared = max(shared_variance or 0.0, 0.0)
+
+    def side(log_half):
+        own = sum((w / total) ** 2 * max((h / Z) ** 2 - shared, 0.0)
+                  for (w, *_), h in zip(parts, log_half))
+        return Z * math.sqrt(own + shared)
+
+    below = side([math.log(est / lo) for _, est, lo, _ in parts])
+    above = side([math.log(hi / est) for _, est, _, hi in parts])
+    return point * math.exp(-below), point * math.exp(above)
 
 
 def pooled(cells: list[dict], pinned: dict[tuple, dict] | None) -> dict:
@@ -58,7 +77,8 @@ def pooled(cells: list[dict], pinned: dict[tuple, dict] | None) -> dict:
     acceptance length (corrected, engine) with interval, tokens per step, and the
     baseline's throughput. One cell gives exactly its stored figures."""
     out = dict.fromkeys((
-        "speedup", "speedup_low", "speedup_high", "output_throughput_low",
+        "speedup", "speedup_low", "speedup_high", "speedup_prompts_low",
+        "speedup_prompts_high", "output_throughput_low",
         "output_throughput_high", "acceptance_length_low", "acceptance_length_high",
         "tokens_per_step", "engine_acceptance_length", "baseline_throughput"))
     if not cells:
@@ -90,13 +110,16 @@ def pooled(cells: list[dict], pinned: dict[tuple, dict] | None) -> dict:
         sum(b["generated_tokens"] for b in bases), sum(b["wall_seconds"] for b in bases))
     if len(cells) == 1:
         c = cells[0]
-        out.update(speedup=c["speedup"], speedup_low=c.get("speedup_low"),
-                   speedup_high=c.get("speedup_high"))
+        out.update({f: c.get(f) for f in ("speedup", "speedup_low", "speedup_high",
+                                          "speedup_prompts_low", "speedup_prompts_high")})
         return out
     out["speedup"] = metrics.speedup(thr, out["baseline_throughput"])
-    out["speedup_low"], out["speedup_high"] = combined_interval(
-        out["speedup"], [(w, c["speedup"], c.get("speedup_low"), c.get("speedup_high"))
-                         for w, c in zip(wall, cells)])
+    shared = max((c.get("speedup_between_run_variance") or 0.0 for c in cells), default=0.0)
+    for low, high in (("speedup_low", "speedup_high"),
+                      ("speedup_prompts_low", "speedup_prompts_high")):
+        out[low], out[high] = combined_interval(
+            out["speedup"], [(w, c["speedup"], c.get(low), c.get(high))
+                             for w, c in zip(wall, cells)], shared)
     return out
 
 
@@ -110,26 +133,20 @@ def speedup_by_batch(cells: list[dict], pinned: dict[tuple, dict] | None) -> dic
 
 
 def mark_ties(rows: list[dict]) -> None:
-    """Ranks of rows sorted by speedup (best first): a row whose speedup interval overlaps
-    the row above's shares its rank and is marked tied ("="). Rows without a speedup, and
-    rows of a run still measuring (provisional: a subset of the cells), get no rank and
-    take none: the finished rows rank as if they were not there."""
-    prev, rank, i = None, 0, 0
+    """Ranks by speedup, from the rows' 95% intervals (`rank_ranges`): a row's rank is the
+    best it could hold, 1 + the rows whose whole interval lies above its (as LMSYS Arena
+    ranks), and it is marked tied ("=") when another ranked row's interval overlaps its.
+    So the rank is always the first of the row's plausible rank range, and a row ranks
+    below another only when their intervals do not overlap: a chain of overlaps (A
+    overlaps B, B overlaps C, not A and C) gives C rank 2, not A's rank. Rows listed by
+    speedup may therefore show a rank that is not their position (a wide interval ranks
+    high). Rows without a speedup, and rows of a run still measuring (provisional: a subset
+    of the cells), get no rank and take none: the finished rows rank as if they were not
+    there."""
+    rank_ranges(rows)
     for r in rows:
-        r["rank"], r["tied"] = None, False
-        if r.get("speedup") is None or (r.get("run") or {}).get("measuring"):
-            continue
-        i += 1
-        lo = r.get("speedup_low") if r.get("speedup_low") is not None else r["speedup"]
-        hi = r.get("speedup_high") if r.get("speedup_high") is not None else r["speedup"]
-        if prev is not None and lo <= prev[1] and hi >= prev[0]:
-            r["tied"], prev_row = True, prev[2]
-            prev_row["tied"] = True
-            r["rank"] = prev_row["rank"]
-        else:
-            rank = i
-            r["rank"] = rank
-        prev = (lo, hi, r)
+        r["rank"] = r["rank_low"]
+        r["tied"] = r["rank_low"] is not None and r["rank_high"] > r["rank_low"]
 
 
 def _ranked_interval(r: dict):
@@ -153,13 +170,12 @@ def rank_ranges(rows: list[dict]) -> None:
                             (their interval does not lie wholly below this one's), itself
                             included.
 
-    Intervals that touch count as overlapping, as in `mark_ties`. A row without an interval
+    Intervals that touch count as overlapping. A row without an interval
     counts as the point [speedup, speedup], so without intervals the range is its position
     (equal speedups aside). Pairwise, hence independent of the rows' order; the row's
-    position in speedup order always lies in its range (a `mark_ties` rank shared down a
-    chain of overlaps may not: the range is the stricter statement). Non-overlap of two 95%
-    intervals is a conservative test of a difference, so the ranges are wide rather than
-    narrow."""
+    position in speedup order always lies in its range; `mark_ties` takes its rank from it.
+    Non-overlap of two 95% intervals is a conservative test of a difference, so the ranges
+    are wide rather than narrow."""
     bounds = [_ranked_interval(r) for r in rows]
     ranked = [b for b in bounds if b is not None]
     lows = np.sort(np.array([lo for lo, _ in ranked], dtype=float))
