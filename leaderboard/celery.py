@@ -1,6 +1,7 @@
 """The Celery app. Its configuration is the CELERY_* block of leaderboard/settings.py:
 measurement tasks are long accelerator jobs, so late acks, prefetch 1, one queue per
-hardware class, and outcomes written to the database rather than a result backend."""
+hardware class (and per engine version a protocol pins: leaderboard/queues.py), and outcomes
+written to the database rather than a result backend."""
 import os
 
 from celery import Celery

@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from worker import methods
 from worker.prompts import select_task_prompts
-from worker.protocol import ProtocolSpec, canonical_json
+from worker.protocol import ProtocolSpec, canonical_json, engine_queue
 
 
 class Target(models.Model):
@@ -321,6 +321,9 @@ class Run(models.Model):
                                 related_name="runs", help_text="empty for the baseline")
     protocol = models.ForeignKey(Protocol, on_delete=models.PROTECT, related_name="runs")
     hardware = models.CharField(max_length=50, db_index=True)
+    # The Celery queue it is sent to: its protocol's (hardware class, engine, engine version),
+    # ProtocolSpec.queue; the hardware class itself when the protocol pins no engine version.
+    queue = models.CharField(max_length=100, db_index=True, default="")
     state = models.CharField(max_length=20, choices=STATES, default=QUEUED, db_index=True)
     cells_done = models.PositiveIntegerField(default=0)
     cells_total = models.PositiveIntegerField(default=0)
@@ -352,6 +355,14 @@ class Run(models.Model):
         who = self.drafter.name if self.drafter_id else "baseline"
         return f"run {self.pk}: {who} under {self.protocol}"
 
+    def save(self, *args, **kwargs):
+        """A run made without a queue gets its protocol's for its hardware class
+        (engine_queue: the class itself unless the protocol pins an engine version)."""
+        if not self.queue and self.protocol_id:
+            self.queue = engine_queue(self.hardware, self.protocol.engine,
+                                      self.protocol.spec.engine_version)
+        super().save(*args, **kwargs)
+
     @property
     def is_baseline(self):
         return self.drafter_id is None
@@ -359,6 +370,29 @@ class Run(models.Model):
     @property
     def progress(self):
         return self.cells_done / self.cells_total if self.cells_total else 0.0
+
+
+class EngineWorker(models.Model):
+    """A measurement worker that announced itself when it started (leaderboard/tasks.py,
+    services/workers.py): its hardware class, engine and engine version, and the queues it
+    consumes. Seen again while it runs; deleted when it stops. One whose last sign of life is
+    older than settings.RUN_STALE_AFTER_S died without saying so, and counts as gone."""
+
+    hostname = models.CharField(max_length=200, unique=True, help_text="celery node name")
+    hardware = models.CharField(max_length=50)
+    engine = models.CharField(max_length=50)
+    engine_version = models.CharField(max_length=50, blank=True)
+    queues = models.JSONField(default=list, help_text="the queues it consumes")
+    python_version = models.CharField(max_length=50, blank=True)
+    torch_version = models.CharField(max_length=50, blank=True)
+    started_at = models.DateTimeField(default=timezone.now)
+    last_seen_at = models.DateTimeField(default=timezone.now, db_index=True)
+
+    class Meta:
+        ordering = ["hardware", "engine", "engine_version", "hostname"]
+
+    def __str__(self):
+        return f"{self.hostname}: {self.engine} {self.engine_version or '?'} on {self.hardware}"
 
 
 class Result(models.Model):

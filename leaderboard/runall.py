@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 from leaderboard.celery import INTAKE_QUEUE
+from leaderboard.queues import worker_queues
 from worker.processes import stop_process_group
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,7 +36,9 @@ def main(argv=None):
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--demo-port", type=int, default=7860)
-    parser.add_argument("--queues", default="cpu", help="queues of the local worker")
+    parser.add_argument("--queues", default=",".join(worker_queues("cpu")),
+                        help="queues of the local worker (default: this environment's engine "
+                             "version's and the plain hardware class, leaderboard/queues.py)")
     args = parser.parse_args(argv)
     python = sys.executable
     env = dict(os.environ, PYTHONUNBUFFERED="1")

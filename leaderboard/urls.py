@@ -39,6 +39,8 @@ urlpatterns = [
     path("protocols/<slug:slug>/v<id:version>/", views.protocol_detail, name="protocol"),
     path("protocols/<slug:slug>/v<id:version>/pays/", views.protocol_pays, name="protocol_pays"),
     path("recipes/", views.recipes, name="recipes"),
+    path("upgrades/", views.upgrades, name="upgrades"),
+    path("upgrades/<slug:slug>/<str:span>/", views.upgrade, name="upgrade"),
     path("accounts/signup/", views.signup, name="signup"),
     # Failed log-ins are counted and locked out by django-axes (settings.py, AXES_*).
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),

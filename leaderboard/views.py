@@ -29,6 +29,7 @@ from worker.checkpoint import Upload
 
 from . import charts, pays, permissions, tokens
 from .selectors import accounts, board, drafters, protocols, shapes
+from .selectors import history as history_reads
 from .selectors import recipes as recipe_reads
 from .selectors import runs as run_reads
 from .selectors import submissions as submission_reads
@@ -279,6 +280,9 @@ def drafter_detail(request, slug):
         "results_html": fragment["html"], "can_manage": manage,
         "has_charts": fragment["meta_has_charts"],
         "submission": submission_reads.accepted_for(page["drafter"]["id"]),
+        # its engine versions (one query; only drafters with a succeeded run have any)
+        "history": history_reads.drafter_history(slug)
+        if any(r["state"] == Run.SUCCEEDED for r in page["runs"]) else None,
     })
 
 
@@ -522,6 +526,28 @@ def protocol_pays(request, slug, version):
         "rec": rec, "rec_error": rec_error, "temperatures": temps,
         "api_analysis": reverse("api:protocol_analysis", args=[slug, version]),
     })
+
+
+# ---- engine upgrades ------------------------------------------------------------------------
+
+@require_GET
+def upgrades(request):
+    """The pairs of engine versions a protocol family has drafters measured on."""
+    return render(request, "leaderboard/upgrades.html",
+                  {"pairs": history_reads.upgrade_pairs()})
+
+
+@require_GET
+def upgrade(request, slug, span):
+    """Every drafter's change from one engine version to another (span "FROM...TO") under
+    one protocol family (a protocol slug or a family hash), worst first."""
+    from_version, sep, to_version = span.partition("...")
+    if not sep or not from_version or not to_version:
+        raise Http404("name the versions as FROM...TO")
+    page = history_reads.upgrade(slug, from_version, to_version)
+    if page is None:
+        raise Http404("no such protocol")
+    return render(request, "leaderboard/upgrade.html", {"u": page})
 
 
 # ---- recipes --------------------------------------------------------------------------------

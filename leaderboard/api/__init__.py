@@ -3,15 +3,17 @@ results (paginated, or exported whole as CSV or JSON, streamed in constant memor
 writes by API token: submit a drafter, cancel one's run, withdraw one's drafter.
 
 Schema: /api/openapi.json; interactive docs: /api/docs. One router per area (catalog,
-analysis, board, drafters, runs, results, auth); reads go through leaderboard.selectors
-(the same functions as the pages), writes through leaderboard.submissions. Every error answers
+analysis, board, drafters, history, runs, results, auth, engine_versions); reads go through
+leaderboard.selectors (the same functions as the pages), writes through
+leaderboard.submissions. Every error answers
 {"detail": [{"file", "member", "field", "message"}]} (errors.py).
 """
 from __future__ import annotations
 
 from ninja import NinjaAPI
 
-from . import analysis, auth, board, catalog, drafters, results, runs, submissions
+from . import (analysis, auth, board, catalog, drafters, engine_versions, history, results,
+               runs, submissions)
 from .errors import add_exception_handlers
 
 API_VERSION = "1.0.0"
@@ -31,7 +33,8 @@ Everything the SpecBoard site shows, as JSON or CSV.
   the submission in the state `checking`: the intake worker checks it out of the web
   process. Poll `GET /api/submissions/{id}` until it is `accepted` (its drafter and run) or
   `refused` (every problem by file and field; nothing stored).
-* **Errors** always answer `{"detail": [{"file", "member", "field", "message"}]}`: 401 no,
+* **Errors** always answer `{"detail": [{"file", "member", "field", "message"}]}`: 400 a
+  refused request (an engine version a protocol's family already pins); 401 no,
   unknown or revoked token; 403 not the owner (nor staff); 404 no such object; 409 a
   conflict (a finished run); 413 upload over the size limit; 422 invalid parameters; 429
   too many submissions in 24 hours. A checkpoint's own problems (and a duplicate) are
@@ -62,5 +65,6 @@ class SpecBoardAPI(NinjaAPI):
 api = SpecBoardAPI(title="SpecBoard API", version=API_VERSION, description=DESCRIPTION,
                    urls_namespace="api")
 add_exception_handlers(api)
-for area in (catalog, analysis, board, drafters, submissions, runs, results, auth):
+for area in (catalog, analysis, board, drafters, history, submissions, runs, results, auth,
+             engine_versions):
     api.add_router("", area.router)

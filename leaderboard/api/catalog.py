@@ -91,6 +91,26 @@ class PromptSetUse(Out):
     prompt_ids_error: str = Field(description="why the prompts cannot be chosen (empty: ok)")
 
 
+class EngineFamilyMember(Out):
+    slug: str = Field(description="protocol slug")
+    version: int = Field(description="protocol version")
+    label: str = Field(description='"slug vN"')
+    ref: str = Field(description='"slug@version"')
+    title: str = Field(description="title")
+    engine: str = Field(description="engine, e.g. vllm")
+    engine_version: Optional[str] = Field(description="the engine version it pins; null: the "
+                                                      "deployment's default engine")
+    recorded_engine_versions: list[str] = Field(description="engine versions its succeeded "
+                                                            "runs recorded")
+    engine_version_label: str = Field(description='the pinned version, or "default: " and '
+                                                  "the recorded ones")
+    queue: str = Field(description="the Celery queue its runs go to")
+    drafters_measured: int = Field(description="drafters (not withdrawn or rejected) with a "
+                                               "succeeded run under it")
+    current: bool = Field(description="whether it is the protocol asked for")
+    url: str = Field(description="its page")
+
+
 class ProtocolDetailOut(Out):
     protocol: ProtocolSummaryOut = Field(description="the protocol")
     spec: dict[str, Any] = Field(description="the full measurement spec")
@@ -114,6 +134,12 @@ class ProtocolDetailOut(Out):
                                          "flagged")
     interval_method: str = Field(description="how the 95% intervals are computed")
     aggregate_interval_method: str = Field(description="intervals over several cells")
+    engine_version: Optional[str] = Field(description="the engine version it pins; null: the "
+                                                      "deployment's default engine")
+    queue: str = Field(description="the Celery queue its runs go to")
+    engine_family: list[EngineFamilyMember] = Field(
+        description="the protocol versions that differ from it only by engine version "
+                    "(same family hash), itself included")
 
 
 @router.get("/targets", response=list[TargetOut], tags=["reads"], summary="Target models")

@@ -1,5 +1,5 @@
 """Runs: their state, progress and queue position, their raw per-request records, and
-cancelling one's own."""
+cancelling one's own; the measurement workers and the queues they serve."""
 from __future__ import annotations
 
 from datetime import datetime
@@ -8,7 +8,7 @@ from typing import Any, Literal, Optional
 from django.core.files.storage import default_storage
 from django.http import FileResponse
 from django.urls import reverse
-from ninja import Path, Query, Router
+from ninja import Path, Query, Router, Schema
 from pydantic import Field
 
 from .. import permissions
@@ -160,3 +160,34 @@ def cancel_run(request, run_id: int = RUN_ID):
         raise ApiError(409, problem("(path)", "run_id", f"run {run_id} already {run.state}"))
     submissions.cancel_run(run)
     return api_run(run_reads.run_with_position(run_id))
+
+
+class WorkerOut(Out):
+    hostname: str = Field(description="Celery node name, e.g. engine-0.31.0@host")
+    hardware: str = Field(description="hardware class")
+    engine: str = Field(description="engine, e.g. vllm")
+    engine_version: str = Field(description="engine version installed in its environment "
+                                            "(empty: none)")
+    queues: list[str] = Field(description="queues it consumes: its engine version's "
+                                          "(cpu.vllm-0.31.0) and, for the default "
+                                          "environment, the hardware class's")
+    python_version: str = Field(description="Python version of its environment")
+    torch_version: str = Field(description="torch version of its environment")
+    started_at: datetime = Field(description="when it announced itself")
+    last_seen_at: datetime = Field(description="its last sign of life")
+    live: bool = Field(description="seen within SPECBOARD_RUN_STALE_AFTER_S")
+
+
+class WorkerFilters(Schema):
+    live: bool = Field(True, description="true: only live workers; false: every one that "
+                                         "announced itself and did not stop cleanly")
+
+
+@router.get("/workers", response={200: list[WorkerOut], **error_responses(422)},
+            tags=["reads"], summary="Measurement workers: hardware, engine version, queues")
+def list_workers(request, filters: Query[WorkerFilters]):
+    """The measurement workers that announced themselves, by hardware class, engine and
+    version. A run goes to the queue of its protocol's hardware class and pinned engine
+    version (e.g. cpu.vllm-0.31.0; the hardware class when it pins none); runs on a queue
+    no live worker consumes wait."""
+    return run_reads.workers(live_only=filters.live)

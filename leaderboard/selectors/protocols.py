@@ -3,9 +3,11 @@ definitions), which protocol a page shows."""
 from __future__ import annotations
 
 import inspect
+import re
 from collections import Counter, defaultdict
 
 from django.db.models import Count, Exists, OuterRef, Q
+from django.urls import reverse
 
 import worker.protocol
 from worker import metrics
@@ -16,7 +18,7 @@ from worker import calibration, intervals
 from ..baseline_rule import PAIRED_RULE, PINNED_RULE
 from worker.analysis import speedups
 from ..models import Prompt, PromptSet, Protocol, ProtocolCalibration, Result, Run, Target
-from .shapes import protocol_summary
+from .shapes import HIDDEN_REVIEW_STATES, protocol_label, protocol_ref, protocol_summary
 
 
 def protocols_with_results(target_slug: str | None = None):
@@ -115,7 +117,63 @@ def protocol_detail(p: Protocol) -> dict:
                             "drafters", "created_at").first()),
         "calibration_method": calibration.__doc__.strip(),
         "aggregate_interval_method": speedups.__doc__.strip(),
+        "engine_version": spec.engine_version, "queue": spec.queue,
+        "engine_family": engine_family(p),
     }
+
+
+def protocol_family(protocol: Protocol) -> list[Protocol]:
+    """The protocol versions of `protocol`'s family (ProtocolSpec.family_sha256: they
+    measure the same thing and differ only by the engine version they pin), itself
+    included, by slug and version. The family hash covers the target, so only the
+    target's protocols are read (one query)."""
+    family = protocol.spec.family_sha256()
+    return [p for p in Protocol.objects.select_related("target")
+            .filter(target_id=protocol.target_id).order_by("slug", "version")
+            if p.spec.family_sha256() == family]
+
+
+def engine_family(protocol: Protocol) -> list[dict]:
+    """Each protocol version of `protocol`'s family (protocol_family) with the engine
+    version it is measured on: the one it pins, or for a protocol that pins none "default: "
+    and the versions its succeeded runs recorded; its queue, and how many drafters (not
+    withdrawn or rejected) have a succeeded run under it. Three queries."""
+    members = protocol_family(protocol)
+    ids = [p.pk for p in members]
+    succeeded = Run.objects.filter(protocol_id__in=ids, state=Run.SUCCEEDED)
+    recorded = defaultdict(set)
+    for protocol_id, version in (succeeded.exclude(engine_version="")
+                                 .values_list("protocol_id", "engine_version").distinct()):
+        recorded[protocol_id].add(version)
+    drafters = dict(succeeded.filter(drafter__isnull=False)
+                    .exclude(drafter__review_state__in=HIDDEN_REVIEW_STATES)
+                    .values("protocol_id").annotate(n=Count("drafter", distinct=True))
+                    .values_list("protocol_id", "n"))
+    out = []
+    for p in members:
+        spec = p.spec
+        versions = sorted(recorded[p.pk], key=release_order)
+        if spec.engine_version:
+            label = spec.engine_version
+        else:
+            label = "default: " + (", ".join(versions) if versions else "none measured yet")
+        out.append({
+            "slug": p.slug, "version": p.version, "label": protocol_label(p),
+            "ref": protocol_ref(p), "title": p.title, "engine": p.engine,
+            "engine_version": spec.engine_version, "recorded_engine_versions": versions,
+            "engine_version_label": label, "queue": spec.queue,
+            "drafters_measured": drafters.get(p.pk, 0), "current": p.pk == protocol.pk,
+            "url": reverse("protocol", args=[p.slug, p.version]),
+        })
+    return out
+
+
+def release_order(version: str) -> tuple:
+    """Sort key of an engine version: its release numbers as numbers ("0.9.2" before
+    "0.31.0"), then the rest as text."""
+    head = re.match(r"[0-9]+(\.[0-9]+)*", version)
+    numbers = tuple(int(n) for n in head.group().split(".")) if head else ()
+    return numbers, version[head.end():] if head else version
 
 
 def target_list() -> list[dict]:

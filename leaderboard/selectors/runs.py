@@ -1,14 +1,19 @@
-"""Reads of runs: the queue (positions, progress) and the API's run list."""
+"""Reads of runs: the queue (positions, progress, the workers that serve it) and the API's
+run list."""
 from __future__ import annotations
 
 from collections import Counter
+from datetime import timedelta
 
+from django.conf import settings
 from django.db.models import F
+from django.utils import timezone
 
 from worker.protocol import cell_key
 
-from ..models import Result, Run
+from ..models import EngineWorker, Result, Run
 from ..permissions import REJECTED
+from ..queues import start_worker_command
 from .shapes import filtered, protocol_ref_lookups, run_progress_summary, run_summary
 
 
@@ -19,24 +24,68 @@ def visible(qs, show_rejected: bool):
 
 
 def queue_positions(run_ids=None) -> dict[int, int]:
-    """Position of each queued run in its hardware class's queue: 1 + the runs queued
-    earlier on the same hardware class that are still waiting. One query."""
+    """Position of each queued run in its queue (Run.queue: hardware class, and engine
+    version where the protocol pins one): 1 + the runs queued earlier on the same queue that
+    are still waiting. One query."""
     positions, seen = {}, Counter()
-    for pk, hardware in (Run.objects.filter(state=Run.QUEUED)
-                         .order_by("queued_at", "pk").values_list("pk", "hardware")):
-        seen[hardware] += 1
-        positions[pk] = seen[hardware]
+    for pk, queue_name in (Run.objects.filter(state=Run.QUEUED)
+                           .order_by("queued_at", "pk").values_list("pk", "queue")):
+        seen[queue_name] += 1
+        positions[pk] = seen[queue_name]
     if run_ids is not None:
         positions = {pk: p for pk, p in positions.items() if pk in set(run_ids)}
     return positions
 
 
+def worker_summary(worker: EngineWorker, live_since) -> dict:
+    return {"hostname": worker.hostname, "hardware": worker.hardware, "engine": worker.engine,
+            "engine_version": worker.engine_version, "queues": list(worker.queues),
+            "python_version": worker.python_version, "torch_version": worker.torch_version,
+            "started_at": worker.started_at, "last_seen_at": worker.last_seen_at,
+            "live": worker.last_seen_at >= live_since}
+
+
+def workers(live_only: bool = True) -> list[dict]:
+    """The measurement workers that announced themselves (EngineWorker), by hardware class,
+    engine and version; "live": seen within settings.RUN_STALE_AFTER_S (one killed without
+    a word stops being seen). `live_only`: only those. One query."""
+    live_since = timezone.now() - timedelta(seconds=settings.RUN_STALE_AFTER_S)
+    qs = EngineWorker.objects.all()
+    if live_only:
+        qs = qs.filter(last_seen_at__gte=live_since)
+    return [worker_summary(w, live_since) for w in qs]
+
+
+def start_worker_hint(queue_name: str, hardware: str, engine_version: str | None) -> str:
+    """How to start a worker that serves `queue_name` (leaderboard.queues)."""
+    return start_worker_command(hardware, engine_version, queue_name)
+
+
+def queue_coverage(active_runs, live: list[dict]) -> list[dict]:
+    """For every queue with runs waiting or running: how many, the live workers that consume
+    it, and, where none does, how to start one."""
+    queues = {}
+    for r in active_runs:
+        entry = queues.setdefault(r.queue, {
+            "queue": r.queue, "hardware": r.hardware,
+            "engine_version": r.protocol.spec.engine_version or "",
+            "waiting": 0, "running": 0, "workers": []})
+        entry["waiting" if r.state == Run.QUEUED else "running"] += 1
+    for name, entry in queues.items():
+        entry["workers"] = [w["hostname"] for w in live if name in w["queues"]]
+        entry["hint"] = ("" if entry["workers"] else
+                         start_worker_hint(name, entry["hardware"], entry["engine_version"]))
+    return [queues[name] for name in sorted(queues)]
+
+
 def queue(hardware: str | None = None, finished_limit: int = 50,
           show_rejected: bool = False) -> dict:
-    """Every queued and running run (running first, then queued in queue order), and the
-    most recently finished ones (failed runs keep their error and log tail). Three queries.
+    """Every queued and running run (running first, then queued in queue order), the most
+    recently finished ones (failed runs keep their error and log tail), the live workers and
+    which of them serve each queue that has runs waiting. Four queries.
 
-    Returns {"active": [run_summary], "finished": [run_summary], "hardware": [...]}."""
+    Returns {"active": [run_summary], "finished": [run_summary], "hardware": [...],
+    "workers": [worker_summary], "queues": [queue_coverage]}."""
     base = visible(Run.objects.select_related("drafter", "drafter__owner", "protocol"),
                    show_rejected)
     if hardware:
@@ -44,14 +93,18 @@ def queue(hardware: str | None = None, finished_limit: int = 50,
     positions = queue_positions()
     active = list(base.filter(state__in=[Run.QUEUED, Run.RUNNING])
                   .order_by("queued_at", "pk"))
-    active.sort(key=lambda r: (r.state != Run.RUNNING, r.hardware, positions.get(r.pk, 0)))
+    active.sort(key=lambda r: (r.state != Run.RUNNING, r.queue, positions.get(r.pk, 0)))
     finished = list(base.filter(state__in=Run.FINISHED)
                     .order_by(F("finished_at").desc(nulls_last=True), "-pk")[:finished_limit])
     hardware_classes = sorted({r.hardware for r in active + finished} | (
         {hardware} if hardware else set()))
+    live = workers()
+    if hardware:
+        live = [w for w in live if w["hardware"] == hardware]
     return {"active": [run_summary(r, positions.get(r.pk)) for r in active],
             "finished": [run_summary(r) for r in finished],
-            "hardware": hardware_classes}
+            "hardware": hardware_classes, "workers": live,
+            "queues": queue_coverage(active, live)}
 
 
 def active_runs(*, protocol=None, drafter=None, run_ids=None, limit: int = 10,

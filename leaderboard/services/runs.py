@@ -34,7 +34,9 @@ from worker.runner import ChildFailed, log_tail, run_job_in_child
 
 from .. import records
 from ..celery import MEASURE_RUN, app
+from ..queues import start_worker_command
 from ..models import Drafter, Prompt, Protocol, ProtocolCalibration, Result, Run
+from . import workers
 from .baselines import PAIRED, baseline_cell_for, shared_baseline_exists
 
 log = logging.getLogger(__name__)
@@ -47,9 +49,10 @@ class RunError(Exception):
 # ---- queueing ----------------------------------------------------------------------
 
 def enqueue(run: Run, countdown: float | None = None):
-    """Send the run to its hardware class's queue once the transaction commits (by task
-    name: leaderboard/tasks.py defines the task)."""
-    transaction.on_commit(lambda: app.send_task(MEASURE_RUN, args=[run.pk], queue=run.hardware,
+    """Send the run to its queue (Run.queue: its protocol's hardware class, engine and engine
+    version) once the transaction commits (by task name: leaderboard/tasks.py defines the
+    task)."""
+    transaction.on_commit(lambda: app.send_task(MEASURE_RUN, args=[run.pk], queue=run.queue,
                                                 countdown=countdown))
 
 
@@ -79,6 +82,7 @@ def queue_run(protocol: Protocol, drafter: Drafter | None, send=True) -> Run:
         if needs_shared_baseline(protocol, drafter):
             queue_run(protocol, None, send=send)
         run = Run.objects.create(drafter=drafter, protocol=protocol, hardware=protocol.hardware,
+                                 queue=protocol.spec.queue,
                                  cells_total=len(cells_for(protocol, drafter)))
         if send:
             enqueue(run)
@@ -128,7 +132,7 @@ def claim(run_id: int, host: str) -> Run | None:
 def stale_runs(queues):
     """Running runs on these queues whose worker died (no heartbeat for a while)."""
     stale = timezone.now() - timedelta(seconds=settings.RUN_STALE_AFTER_S)
-    return Run.objects.filter(state=Run.RUNNING, hardware__in=queues, heartbeat_at__lt=stale)
+    return Run.objects.filter(state=Run.RUNNING, queue__in=queues, heartbeat_at__lt=stale)
 
 
 # ---- building the job ----------------------------------------------------------------
@@ -326,6 +330,7 @@ def update_progress(run: Run, measured_this_attempt: int, attempt_started: float
 
 def heartbeat_and_cancel_flag(run: Run) -> bool:
     Run.objects.filter(pk=run.pk).update(heartbeat_at=timezone.now())
+    workers.seen_from_run(run.worker_host)
     return Run.objects.filter(pk=run.pk, cancel_requested=True).exists()
 
 
@@ -466,8 +471,38 @@ def through_outage(write, what: str):
             delay = min(delay * 2, 10.0)
 
 
-def execute_run(run_id: int, host: str | None = None, progress=None) -> str | None:
-    """Measure one run to its end. Returns its final state, or None if not ours."""
+def engine_version_refusal(protocol: Protocol) -> str | None:
+    """Why this environment may not measure the protocol's runs: the protocol pins an engine
+    version (ProtocolSpec.engine_version) other than the one installed here
+    (package_versions). None when it may."""
+    from worker.engines import engine_module
+
+    pinned = protocol.spec.engine_version
+    if not pinned:
+        return None
+    installed = engine_module(protocol.engine).package_versions().get(protocol.engine)
+    if installed == pinned:
+        return None
+    how = start_worker_command(protocol.hardware, pinned, protocol.spec.queue)
+    return (f"protocol {protocol} pins {protocol.engine} {pinned}, but this environment has "
+            f"{installed or 'none installed'}; its runs are measured by a worker of that "
+            f"version, on queue {protocol.spec.queue} ({how}; docs/deployment.md)")
+
+
+def execute_run(run_id: int, host: str | None = None, progress=None,
+                resend_refused: bool = False) -> str | None:
+    """Measure one run to its end. Returns its final state, or None if not ours. A run whose
+    protocol pins another engine version than this environment's is not claimed: it stays
+    queued for a worker of that version (`resend_refused`: its message is sent again after
+    RUN_STALE_AFTER_S, for such a worker on the same queue; one that starts later sends it
+    itself, resend_unfinished_runs)."""
+    queued = Run.objects.select_related("protocol").filter(pk=run_id).first()
+    refusal = engine_version_refusal(queued.protocol) if queued is not None else None
+    if refusal is not None:
+        log.warning("run %s: not measured here: %s", run_id, refusal)
+        if resend_refused and queued.state == Run.QUEUED:
+            enqueue(queued, countdown=settings.RUN_STALE_AFTER_S)
+        return None
     run = claim(run_id, host or worker_host())
     if run is None:
         log.info("run %s: not claimed (finished, cancelled or held by a live worker)", run_id)
@@ -527,9 +562,9 @@ def resend_unfinished_runs(queues) -> None:
     only its missing cells. Queued runs whose message was lost (the embedded broker keeps no
     unacked messages across a kill) are sent again too."""
     wait = settings.RUN_STALE_AFTER_S + 1
-    for run in Run.objects.filter(state=Run.RUNNING, hardware__in=queues):
+    for run in Run.objects.filter(state=Run.RUNNING, queue__in=queues):
         enqueue(run, countdown=wait)
         log.info("run %s: running; sent again in %ss, taken over only if its heartbeat is "
                  "stale by then (its worker stopped)", run.pk, wait)
-    for run in Run.objects.filter(state=Run.QUEUED, hardware__in=queues):
+    for run in Run.objects.filter(state=Run.QUEUED, queue__in=queues):
         enqueue(run)

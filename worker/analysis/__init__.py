@@ -141,7 +141,8 @@ per-user speed pays at that operating point.
 The package, by concern: speedups.py (the one speedup rule and its intervals),
 cost_model.py (the fitted forward time, break-even and the map), bounds.py (one cell's
 steps, time breakdown, bounds, efficiency; the oracle combination), recommend.py
-(crossover, best drafter per task and batch size, recommender, Pareto frontier).
+(crossover, best drafter per task and batch size, recommender, Pareto frontier);
+engine_history.py (a drafter's cells under two engine versions: changes and regression flags).
 """
 from __future__ import annotations
 
@@ -149,6 +150,7 @@ import re
 
 from .bounds import *  # noqa: F401,F403
 from .cost_model import *  # noqa: F401,F403
+from .engine_history import *  # noqa: F401,F403
 from .recommend import *  # noqa: F401,F403
 from .speedups import *  # noqa: F401,F403
 

@@ -2,6 +2,7 @@ import sys
 
 from django.core.management.base import BaseCommand, CommandError
 
+from leaderboard.queues import start_worker_command
 from leaderboard.services import runs
 from leaderboard.models import Drafter, Protocol
 
@@ -21,8 +22,9 @@ def resolve_protocol(slug):
 
 
 class Command(BaseCommand):
-    help = ("Measure a drafter (slug, or 'baseline') under a protocol: queue it for the "
-            "protocol's hardware class, or with --sync measure it here with a progress bar.")
+    help = ("Measure a drafter (slug, or 'baseline') under a protocol: queue it on the "
+            "protocol's queue (its hardware class, and engine version when it pins one), or "
+            "with --sync measure it here with a progress bar.")
 
     def add_arguments(self, parser):
         parser.add_argument("drafter", help="drafter slug, or 'baseline' for the target alone")
@@ -40,6 +42,9 @@ class Command(BaseCommand):
             if drafter_obj is None:
                 known = ", ".join(Drafter.objects.values_list("slug", flat=True)) or "none"
                 raise CommandError(f"no drafter {drafter!r}; known drafters: {known}, baseline")
+        refusal = runs.engine_version_refusal(protocol) if sync else None
+        if refusal is not None:
+            raise CommandError(f"--sync cannot measure it here: {refusal}")
         try:
             if sync and runs.needs_shared_baseline(protocol, drafter_obj):
                 self._sync(runs.queue_run(protocol, None, send=False))
@@ -47,9 +52,11 @@ class Command(BaseCommand):
         except runs.RunError as e:
             raise CommandError(str(e)) from None
         if not sync:
+            worker = start_worker_command(protocol.hardware, protocol.spec.engine_version,
+                                          run.queue)
             self.stdout.write(self.style.SUCCESS(
-                f"queued run {run.pk} on queue {run.hardware!r} ({run.cells_total} cells); "
-                f"a worker measures it: celery -A leaderboard worker -Q {run.hardware}"))
+                f"queued run {run.pk} on queue {run.queue!r} ({run.cells_total} cells); "
+                f"a worker measures it: {worker}"))
             return
         state = self._sync(run)
         if state != "succeeded":
