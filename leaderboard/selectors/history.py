@@ -53,9 +53,12 @@ def _measured_runs(**filters) -> dict:
     qs = (Run.objects.filter(state=Run.SUCCEEDED, drafter__isnull=False, **filters)
           .exclude(engine_version="").select_related("protocol", "drafter", "drafter__owner")
           .order_by(F("finished_at").desc(nulls_last=True), "-pk"))
-    latest = {}
+    latest, families = {}, {}
     for run in qs:
-        latest.setdefault((run.drafter_id, family_of(run.protocol), run.engine_version), run)
+        # every row carries its own Protocol instance: hash each protocol's spec once
+        if run.protocol_id not in families:
+            families[run.protocol_id] = family_of(run.protocol)
+        latest.setdefault((run.drafter_id, families[run.protocol_id], run.engine_version), run)
     return latest
 
 
