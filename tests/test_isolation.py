@@ -149,6 +149,15 @@ def test_in_parallel_one_worker_runs_every_engine_test_while_the_other_runs_the_
 
         def test_engine_2(): note("engine_2")
     """))
+    # a test that needs the engine's core to itself (a hog pinned to it) joins the engine
+    # unit: never beside an engine
+    (tmp_path / "test_core.py").write_text(textwrap.dedent("""\
+        import pytest
+        from record import note
+
+        @pytest.mark.engine_core
+        def test_pinned_hog(): note("pinned_hog")
+    """))
     (tmp_path / "test_fast.py").write_text(
         "from record import note\n"
         + "".join(f"def test_fast_{i}(): note('fast_{i}')\n" for i in range(6)))
@@ -159,7 +168,7 @@ def test_in_parallel_one_worker_runs_every_engine_test_while_the_other_runs_the_
         env=subprocess_env(PYTHONPATH=f"{ROOT}:{tmp_path}"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     ran = dict(line.split() for line in (tmp_path / "ran.txt").read_text().splitlines())
-    engine = {ran[t] for t in ("engine_1", "engine_module_fast", "engine_2")}
+    engine = {ran[t] for t in ("engine_1", "engine_module_fast", "engine_2", "pinned_hog")}
     assert len(engine) == 1, ran
     fast = {ran[f"fast_{i}"] for i in range(6)}
     assert fast - engine, ran   # the other worker ran fast tests beside the engine ones
