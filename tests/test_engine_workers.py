@@ -94,6 +94,18 @@ def test_a_queue_position_counts_only_the_runs_of_the_same_queue(protocol):
     assert (positions[first.pk], positions[second.pk], positions[other.pk]) == (1, 2, 1)
 
 
+def test_the_api_gives_each_run_its_queue_and_its_place_there(protocol, client):
+    v2 = pinned(protocol, OTHER_VERSION)
+    plain = runs.queue_run(protocol, None, send=False)
+    on_version = runs.queue_run(v2, None, send=False)
+    listed = {r["id"]: r for r in client.get("/api/runs").json()["items"]}
+    assert (listed[plain.pk]["queue"], listed[on_version.pk]["queue"]) == (
+        "ew-hw", f"ew-hw.vllm-{OTHER_VERSION}")
+    one = client.get(f"/api/runs/{on_version.pk}").json()
+    assert (one["queue"], one["hardware"], one["position"]) == (
+        f"ew-hw.vllm-{OTHER_VERSION}", "ew-hw", 1)
+
+
 def test_stale_and_unfinished_runs_are_found_by_queue(protocol, settings):
     v2 = pinned(protocol, OTHER_VERSION)
     queue_name = v2.spec.queue

@@ -48,9 +48,12 @@ class RunOut(Out):
     is_baseline: bool = Field(description="true for the baseline (no drafter)")
     drafter: Optional[RunDrafterRef] = Field(description="the drafter; null for the baseline")
     protocol: RunProtocolRef = Field(description="the protocol it measures under")
-    hardware: str = Field(description="hardware class (queue)")
-    position: Optional[int] = Field(description="place in its hardware class's queue "
-                                                "(1 = next); null unless queued")
+    hardware: str = Field(description="hardware class")
+    queue: str = Field(description="the queue it is sent to: its hardware class, or, where its "
+                                   "protocol pins an engine version, e.g. cpu.vllm-0.31.0 "
+                                   "(served by a worker of that version)")
+    position: Optional[int] = Field(description="place in its queue (1 = next); null unless "
+                                                "queued")
     cells_done: int = Field(description="cells measured")
     cells_total: int = Field(description="cells in the grid")
     progress: float = Field(description="cells_done / cells_total")

@@ -82,7 +82,7 @@ def run_summary(run: Run, position: int | None = None) -> dict:
         "protocol": {"slug": run.protocol.slug, "version": run.protocol.version,
                      "label": protocol_label(run.protocol),
                      "url": reverse("protocol", args=[run.protocol.slug, run.protocol.version])},
-        "hardware": run.hardware, "position": position,
+        "hardware": run.hardware, "queue": run.queue, "position": position,
         "cells_done": run.cells_done, "cells_total": run.cells_total,
         "progress": run.progress, "eta_seconds": run.eta_seconds,
         "cancel_requested": run.cancel_requested, "attempts": run.attempts,
