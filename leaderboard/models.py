@@ -562,6 +562,11 @@ class ProtocolCalibration(models.Model):
                                   help_text="the runs the estimate came from")
     drafters = models.JSONField(default=list, blank=True,
                                 help_text="slugs of the drafters whose runs were used")
+    inherited_from = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+",
+        help_text="a copy of this calibration of another version of the protocol's family "
+                  "(derived for another engine version), until the protocol is calibrated "
+                  "from its own reruns")
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:

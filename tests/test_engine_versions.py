@@ -67,6 +67,37 @@ def test_deriving_keeps_everything_but_the_version_and_the_engine_version(family
     assert Run.objects.filter(protocol=derived).count() == 0   # deriving alone queues nothing
 
 
+def test_a_derived_version_starts_with_a_copy_of_its_familys_calibration(client, family):
+    from leaderboard.models import ProtocolCalibration
+
+    source = family["protocol"]
+    uncalibrated = engine_versions.derive_engine_version(source, "0.30.0")
+    assert ProtocolCalibration.variance_for(uncalibrated.pk) is None   # nothing to copy
+    runs = list(Run.objects.filter(protocol=source, state=Run.SUCCEEDED)[:2])
+    own = ProtocolCalibration.objects.create(protocol=source, between_run_variance=4e-4,
+                                             raw_variance=5e-4, cells=6, degrees_of_freedom=6,
+                                             drafters=["ngram-x"])
+    own.runs.set(runs)
+    derived = engine_versions.derive_engine_version(source, ENGINE_VERSION)
+    copy = ProtocolCalibration.objects.get(protocol=derived)
+    assert ProtocolCalibration.variance_for(derived.pk) == 4e-4
+    assert copy.inherited_from_id == own.pk and copy.drafters == ["ngram-x"]
+    assert set(copy.runs.all()) == set(runs) and copy.degrees_of_freedom == 6
+    assert ProtocolCalibration.objects.filter(protocol=source).count() == 1   # untouched
+    html = client.get(reverse("protocol", args=[derived.slug, derived.version])).content.decode()
+    assert f"Copied from version {source.version}" in html
+    # its own calibration, once reruns give one, is the newest row and applies
+    newer = ProtocolCalibration.objects.create(protocol=derived, between_run_variance=1e-4)
+    assert ProtocolCalibration.variance_for(derived.pk) == 1e-4
+    # the next version derived takes the family's newest calibration, and names the row
+    # that was estimated, not a copy
+    third = engine_versions.derive_engine_version(source, "0.29.0")
+    assert ProtocolCalibration.variance_for(third.pk) == 1e-4
+    assert ProtocolCalibration.objects.get(protocol=third).inherited_from_id == newer.pk
+    fourth = engine_versions.derive_engine_version(third, "0.28.0")
+    assert ProtocolCalibration.objects.get(protocol=fourth).inherited_from_id == newer.pk
+
+
 def test_a_title_can_be_given(family):
     derived = engine_versions.derive_engine_version(family["protocol"], ENGINE_VERSION,
                                                     title="on the next engine")

@@ -110,6 +110,26 @@ def apply(protocol: Protocol) -> list[Change]:
     return changes
 
 
+def inherit(protocol: Protocol, family) -> ProtocolCalibration | None:
+    """Give a protocol version derived for another engine version (services.engine_versions)
+    a copy of the newest calibration among `family` (its other versions): the same
+    prompts, sampling and machine class, so the best prior for how far its reruns move
+    until it is calibrated from its own (the engine version may change that; its own
+    calibration then replaces the copy as the newest row). None when no member is
+    calibrated: its intervals are then the intervals across prompts."""
+    source = (ProtocolCalibration.objects.filter(protocol__in=family)
+              .exclude(protocol=protocol).order_by("-created_at", "-pk").first())
+    if source is None:
+        return None
+    row = ProtocolCalibration.objects.create(
+        protocol=protocol, between_run_variance=source.between_run_variance,
+        raw_variance=source.raw_variance, cells=source.cells,
+        degrees_of_freedom=source.degrees_of_freedom, drafters=source.drafters,
+        inherited_from=source.inherited_from or source)
+    row.runs.set(source.runs.all())
+    return row
+
+
 def calibrate(protocol: Protocol, drafters=None, dry_run: bool = False):
     """Estimate, store a new ProtocolCalibration and apply it. Returns (estimate, by
     drafter, the stored row or None, changes). Nothing is stored when no cell was measured

@@ -5,7 +5,9 @@ POST /api/protocols/{slug}/{version}/engine-versions all call `derive_and_queue`
 
 - `derive_engine_version`: a new version of the same slug whose spec is the source's pinned
   to another engine version (ProtocolSpec.with_engine_version): the same target, prompts,
-  sampling, batch sizes, k and passes, so the same family hash.
+  sampling, batch sizes, k and passes, so the same family hash. It starts with a copy of
+  the family's newest between-run calibration (services.calibration.inherit), so that its
+  speedups are ranked and compared across versions by the same kind of interval.
 - `queue_family_runs`: on a protocol, the shared baseline and every approved drafter of its
   target that has a succeeded run under a protocol of its family, each once.
 """
@@ -18,7 +20,7 @@ from django.db import IntegrityError, transaction
 from ..models import Drafter, Protocol, Run
 from ..queues import start_worker_command
 from ..selectors.protocols import protocol_family
-from . import runs
+from . import calibration, runs
 from .baselines import PAIRED, shared_baseline_exists
 from .errors import ServiceError
 
@@ -52,8 +54,10 @@ def derive_engine_version(protocol: Protocol, engine_version: str,
                 f"{member.slug}@{member.version})")
     try:
         with transaction.atomic():
-            return Protocol.objects.create(title=protocol.title if title is None else title,
-                                           target=protocol.target, spec=spec.to_dict())
+            derived = Protocol.objects.create(title=protocol.title if title is None else title,
+                                              target=protocol.target, spec=spec.to_dict())
+            calibration.inherit(derived, protocol_family(protocol))
+            return derived
     except IntegrityError:   # another version of the slug was created meanwhile
         raise DeriveRefused(f"version {spec.version} of {protocol.slug} was just created by "
                             "someone else; try again") from None
