@@ -253,6 +253,10 @@ LOGGING = {
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
+    # kombu warns "No hostname was supplied" on every connection to the embedded
+    # (filesystem) broker, which has no host: noise in every command that queues a run.
+    "loggers": {"kombu.connection": {"level": "ERROR"}}
+    if CELERY_BROKER_URL.startswith("filesystem://") else {},
 }
 
 # --- Pages and submissions ----------------------------------------------------------
