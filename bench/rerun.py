@@ -162,6 +162,12 @@ def report(run_ids, estimate_here=False):
         print(f"stored (ranking) half-widths: median {statistics.median(widths):.1f}%, max "
               f"{max(widths):.1f}%" + (f"; at b >= 4 median {statistics.median(b4):.1f}%, "
                                        f"max {max(b4):.1f}%" if b4 else ""))
+    if b4:
+        # the goal: at most 5% at batch size >= 4 in at least 90% of the cells
+        goal = (protocol.spec.target_half_width or 0.05) * 100
+        within_goal = sum(w <= goal for w in b4)
+        print(f"ranking half-widths at b >= 4 within {goal:g}%: {within_goal} of {len(b4)} "
+              f"cells ({within_goal / len(b4) * 100:.0f}%)")
     return rows
 
 
