@@ -46,7 +46,8 @@ def derive_engine_version(protocol: Protocol, engine_version: str,
     except (ValueError, TypeError) as e:
         raise DeriveRefused(f"cannot derive {protocol} for engine version "
                             f"{engine_version!r}: {e}") from None
-    for member in protocol_family(protocol):
+    family = protocol_family(protocol)
+    for member in family:
         if member.spec.engine_version == engine_version:
             raise DeriveRefused(
                 f"{member} already pins {member.engine} {engine_version} (same family as "
@@ -56,7 +57,7 @@ def derive_engine_version(protocol: Protocol, engine_version: str,
         with transaction.atomic():
             derived = Protocol.objects.create(title=protocol.title if title is None else title,
                                               target=protocol.target, spec=spec.to_dict())
-            calibration.inherit(derived, protocol_family(protocol))
+            calibration.inherit(derived, family)
             return derived
     except IntegrityError:   # another version of the slug was created meanwhile
         raise DeriveRefused(f"version {spec.version} of {protocol.slug} was just created by "
