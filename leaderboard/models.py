@@ -461,6 +461,11 @@ class Result(models.Model):
     # and how many passes were measured again because the engine's cores were loaded.
     passes_stop = models.CharField(max_length=16, null=True, blank=True)
     remeasured_passes = models.PositiveIntegerField(default=0)
+    # Protocol v4: the engine starts the cell's kept passes came from. Under a protocol with
+    # several (ProtocolSpec.engine_starts) a cell is stored after each start's round and
+    # replaced after the next: fewer than the protocol's is a cell still being measured
+    # (``is_complete``). Null on rows stored before (one start).
+    engine_starts = models.PositiveSmallIntegerField(null=True, blank=True)
     checks = models.JSONField(null=True, blank=True)
     lossless_share = models.FloatField(null=True, blank=True)
     measured_at = models.DateTimeField(default=timezone.now)
@@ -500,6 +505,8 @@ class Result(models.Model):
         "pass_throughputs", "host_load", "loaded", "checks",
         # protocol v3 (null / 0 on older rows)
         "passes_stop", "remeasured_passes",
+        # protocol v4 (null on older rows)
+        "engine_starts",
         # the speedup's interval across prompts beside the ranking one, and what the ranking
         # one is built from (null on rows divided before them)
         "speedup_prompts_low", "speedup_prompts_high", "speedup_passes_se",

@@ -38,7 +38,8 @@ def make_prompt_set(slug="chat-set", categories=("writing", "coding"), per_categ
 
 def make_protocol(target, slug="pages", version=1, hardware="pages-test",
                   tasks=("chat", "code"), batch_sizes=(1, 4), temperatures=(0.0,), ks=(2, 4),
-                  prompt_set=None, baseline="shared", repetitions=1, selection="first"):
+                  prompt_set=None, baseline="shared", repetitions=1, selection="first",
+                  engine_starts=None):
     ps = prompt_set or make_prompt_set()
     spec = ProtocolSpec(
         slug=slug, version=version, target=target.slug, target_sha256=target.weights_sha256,
@@ -46,7 +47,7 @@ def make_protocol(target, slug="pages", version=1, hardware="pages-test",
         tasks=tuple(TaskSpec(t, ps.slug, ps.source_sha256, max(batch_sizes), selection=selection)
                     for t in tasks),
         temperatures=tuple(temperatures), batch_sizes=tuple(batch_sizes), ks=tuple(ks),
-        baseline=baseline, repetitions=repetitions)
+        baseline=baseline, repetitions=repetitions, engine_starts=engine_starts)
     return Protocol.objects.create(title=f"test protocol {slug}", target=target,
                                    spec=spec.to_dict())
 

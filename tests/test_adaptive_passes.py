@@ -163,3 +163,59 @@ def test_remeasures_stop_at_the_protocols_limit_and_the_cell_stays_loaded():
     out, _ = default.run(spec(repetitions=2))
     assert [len(out.remeasured[c]) for c in GROUP] == [2, 2, 2]   # 2 per group, not per pass
     assert replace(spec(), max_loaded_remeasures=0).loaded_remeasure_limit == 0
+
+
+# ----------------------------------------------------------------------- engine starts
+
+def test_a_later_engine_start_continues_the_groups_passes_under_its_own_limits():
+    """Protocol v4 (engine_starts): each start's round measures under ``per_start`` limits,
+    continues the repetition indices (pairs and seeds stay distinct), keeps the earlier
+    passes and counts its minimum, budget and remeasures from its own passes."""
+    s = spec(repetitions=2, target_half_width=0.001, max_repetitions=4,
+             cell_time_budget_s=100.0, engine_starts=2)
+    one = s.per_start()
+    model = SeededPasses(prompt_effect=0.3)      # a target no pass count reaches
+    first = measure_group(GROUP, one, model.measure, model.records_of, log=lambda m: None,
+                          clock=model.clock)
+    # 3 cells x 10 s a group-pass: a second pass would end at 60 s > 50 s (half the budget)
+    assert first.stop == "budget" and [p.repetition for p in first.passes[GROUP[0]]] == [0]
+    starts = []
+
+    def second_start(cell, rep):          # as worker.measure marks a later start's passes
+        starts.append(rep)
+        p = model.measure(cell, rep)
+        p.engine_start = 1
+        return p
+
+    second = measure_group(GROUP, one, second_start, model.records_of, log=lambda m: None,
+                           clock=model.clock, earlier=first)
+    assert second.stop == "budget" and starts == [1, 1, 1]
+    for cell in GROUP:
+        assert [(p.repetition, p.engine_start) for p in second.passes[cell]] == [(0, 0), (1, 1)]
+        assert first.passes[cell] == second.passes[cell][:1]   # the earlier start's, kept
+    # a start that is loaded remeasures up to the limit again (the limit is per start)
+    loaded = SeededPasses(loaded=lambda c, r, a: r == 1 and a < 2)
+    a = measure_group(GROUP, spec(repetitions=1), loaded.measure, loaded.records_of,
+                      log=lambda m: None, clock=loaded.clock)
+    b = measure_group(GROUP, spec(repetitions=1), loaded.measure, loaded.records_of,
+                      log=lambda m: None, clock=loaded.clock, earlier=a)
+    assert [len(b.remeasured[c]) for c in GROUP] == [2, 2, 2]
+    assert [p.repetition for p in b.passes[GROUP[0]]] == [0, 1]
+    assert not any(p.loaded for p in b.passes[GROUP[0]])
+
+
+def test_a_later_start_judges_the_half_widths_on_every_start_s_passes():
+    """The target is judged on the passes of all starts so far: a second start that adds
+    the passes the target needs stops on it, though the start alone could not reach it."""
+    s = spec(repetitions=2, target_half_width=0.06, max_repetitions=80, engine_starts=2)
+    model = SeededPasses(noise=0.15)
+    alone = SeededPasses(noise=0.15).run(s)[0]
+    needed = len(alone.passes[GROUP[0]])          # one start alone reaches it after this many
+    assert needed > 2
+    first = measure_group(GROUP, replace(s.per_start(), max_repetitions=needed - 1),
+                          model.measure, model.records_of, log=lambda m: None,
+                          clock=model.clock)
+    assert first.stop == "max" and len(first.passes[GROUP[0]]) == needed - 1
+    second = measure_group(GROUP, s.per_start(), model.measure, model.records_of,
+                           log=lambda m: None, clock=model.clock, earlier=first)
+    assert second.stop == "target" and len(second.passes[GROUP[0]]) == needed

@@ -242,3 +242,49 @@ def test_the_cached_board_follows_a_running_runs_cells(client, settings):
     html = client.get(reverse("home")).content.decode()
     assert "badge measuring" not in html and "No drafter has a finished or measuring" in html
     cache.clear()
+
+
+def test_a_run_over_two_engine_starts_shows_each_cell_after_its_first_start_and_resumes_the_rest(
+        client, tmp_path):
+    """Protocol v4 (engine_starts = 2): the worker yields every cell after each start's
+    round. The site stores the first as a provisional cell (shown, counted as one of two
+    measurements, not skipped on resume) and replaces it with the second."""
+    protocol = f.make_protocol(f.make_target(), slug="starts", tasks=("chat",),
+                               batch_sizes=(4,), ks=(2,), baseline="paired", repetitions=2,
+                               engine_starts=2)
+    protocol.target.path = str(tmp_path)       # build_job needs the target's folder
+    protocol.target.save()
+    drafter = f.make_drafter(protocol.target, "n-gram")
+    run = runs.queue_run(protocol, drafter, send=False)
+    cells = protocol.spec.run_cells("ngram")
+    assert run.cells_total == 2 * len(cells) == 4
+    Run.objects.filter(pk=run.pk).update(state=Run.RUNNING)
+    run.refresh_from_db()
+
+    def land(starts, started=time.monotonic()):
+        for cell in cells:
+            result = cell_result(cell, throughput(cell), passes=[throughput(cell)] * starts)
+            result.figures["engine_starts"] = starts
+            runs.record_cell(run, result)
+            runs.update_progress(run, starts * len(cells), started)
+
+    land(1)
+    run.refresh_from_db()
+    assert run.cells_done == 2 and run.progress == 0.5 and run.eta_seconds is not None
+    assert runs.build_job(run).skip == frozenset()        # provisional: measured again
+    assert list(Result.objects.filter(run=run).values_list("engine_starts", flat=True)) == [
+        1, 1]
+    page = client.get(reverse("run", args=[run.pk])).content.decode()
+    assert page.count("(1/2 starts)") == 2 and 'id="engine-starts"' in page
+    board = client.get(reverse("home"), {"protocol": "starts@1"}).context["board"]
+    assert [r["run"]["measuring"] for r in board["rows"]] == [True]   # shown, unranked
+
+    land(2)
+    run.refresh_from_db()
+    assert run.cells_done == run.cells_total == 4
+    assert runs.build_job(run).skip == frozenset(c.key for c in cells)
+    page = client.get(reverse("run", args=[run.pk])).content.decode()
+    assert page.count("(2/2 starts)") == 2 and "(1/2 starts)" not in page
+    api = client.get("/api/results", {"run": run.pk}).json()["items"]
+    assert sorted(r["engine_starts"] for r in api) == [2, 2]
+    assert Result.objects.filter(run=run).get(k=2).repetitions == 2

@@ -274,3 +274,47 @@ def test_an_engine_version_must_be_a_release_number(bad):
         return
     with pytest.raises(ValueError, match="engine_version"):
         make_spec(engine_version=bad)
+
+
+# ----------------------------------------------------------------------- protocol v4
+
+def test_engine_starts_is_left_out_when_unset_changes_the_hash_and_round_trips():
+    plain = make_spec(repetitions=2)
+    assert "engine_starts" not in plain.to_dict() and plain.starts == 1
+    assert plain.per_start() is plain
+    split = make_spec(repetitions=2, engine_starts=2)
+    assert split.to_dict()["engine_starts"] == 2 and split.starts == 2
+    assert split.sha256() != plain.sha256()
+    assert ProtocolSpec.from_dict(split.to_dict()) == split
+    # a version derived for another engine keeps its starts (the family hash includes them)
+    assert split.with_engine_version("0.31.0", version=5).engine_starts == 2
+    assert split.family_sha256() != plain.family_sha256()
+
+
+def test_engine_starts_are_validated():
+    with pytest.raises(ValueError, match="engine_starts must be a positive integer"):
+        make_spec(engine_starts=0)
+    with pytest.raises(ValueError, match="engine_starts must be a positive integer"):
+        make_spec(engine_starts=True)
+    with pytest.raises(ValueError, match=r"repetitions \(2\) must be at least engine_starts "
+                                         r"\(3\)"):
+        make_spec(repetitions=2, engine_starts=3)
+
+
+@pytest.mark.parametrize("limits, starts, expected", [
+    # (repetitions, max_repetitions, budget) split over the starts, rounded up
+    ((2, 4, 150.0), 2, (1, 2, 75.0)),
+    ((3, 4, 90.0), 2, (2, 2, 45.0)),
+    ((3, 7, None), 3, (1, 3, None)),
+    ((4, None, 100.0), 4, (1, None, 25.0)),
+])
+def test_per_start_splits_the_pass_limits_between_the_starts(limits, starts, expected):
+    repetitions, most, budget = limits
+    spec = make_spec(repetitions=repetitions, max_repetitions=most, cell_time_budget_s=budget,
+                     target_half_width=0.05 if (most or budget) else None,
+                     engine_starts=starts)
+    one = spec.per_start()
+    assert (one.repetitions, one.max_repetitions, one.cell_time_budget_s) == expected
+    assert one.starts == 1 and one.target_half_width == spec.target_half_width
+    # together the starts measure at least the protocol's minimum
+    assert one.repetitions * starts >= spec.repetitions

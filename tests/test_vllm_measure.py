@@ -584,3 +584,38 @@ def test_a_hog_on_the_engines_core_marks_its_passes_loaded_and_they_are_measured
         assert len(c.records) == 2 * 4
     assert sum("measuring it again" in line for line in lines) == cells[0].figures[
         "remeasured_passes"]
+
+
+@pytest.mark.vllm
+def test_a_protocol_with_two_engine_starts_splits_every_cells_passes_between_them(
+        tmp_path, prompt_files, demo_target_dir, engine_pool):
+    """Protocol v4 (engine_starts = 2): the run measures its group once per start, shuts
+    both engines down between the starts (pooled ones too: the second start's engines are
+    new) and yields every cell after each start, the second time with the passes of both
+    (continued repetitions, records that say their start). Greedy tokens do not depend on
+    the start."""
+    from worker import intervals
+
+    tasks = (TaskSpec("code", "set-code", file_sha256(prompt_files / TASKS["code"]), 4),)
+    path = _protocol_file(tmp_path, prompt_files, tasks=tasks, batch_sizes=(2,),
+                          baseline="paired", repetitions=2, max_new_tokens=16,
+                          engine_starts=2)
+    job = _job(path, demo_target_dir, NGRAM)
+    lines, started = [], engine_pool.started
+    cells = [e for e in iter_cells(job, log=lines.append, engine_pool=engine_pool)
+             if isinstance(e, CellResult)]
+    print("\n".join(lines))
+    assert [(c.cell.k, c.figures["engine_starts"], c.figures["repetitions"]) for c in cells] == [
+        (0, 1, 1), (K, 1, 1), (0, 2, 2), (K, 2, 2)]
+    assert sum("starting every engine afresh" in line for line in lines) == 1
+    assert engine_pool.started - started >= 2          # the second start's two engines
+    for c in cells[2:]:
+        assert sorted((r["repetition"], r["engine_start"]) for r in c.records) == (
+            [(0, 0)] * 4 + [(1, 1)] * 4)
+        by_start = {s: {r["prompt_id"]: r["output_token_ids"] for r in c.records
+                        if r["engine_start"] == s} for s in (0, 1)}
+        assert by_start[0] == by_start[1]
+        assert c.checks["ok"], c.checks["failed"]
+    base, ngram = cells[2], cells[3]
+    assert intervals.pairs(ngram.records, base.records) is not None
+    assert cells[0].records == [r for r in base.records if r["engine_start"] == 0]

@@ -43,6 +43,9 @@ FIGURE_KEYS = (
     # "fixed", "target", "budget", "max") and how many of its passes were measured again
     # because the host was loaded (worker.measure.measure_group)
     "passes_stop", "remeasured_passes",
+    # protocol v4: how many engine starts the cell's kept passes came from
+    # (ProtocolSpec.engine_starts; a cell stored after an earlier start's round has fewer)
+    "engine_starts",
 )
 
 
@@ -75,6 +78,7 @@ class PassResult:
     host_load: float | None = None          # others' cores over the whole machine
     engine_core_load: float | None = None   # others' cores on the engine's cores (or None)
     engine_cores: tuple[int, ...] | None = None
+    engine_start: int = 0   # which of the run's engine starts (ProtocolSpec.engine_starts)
 
     @property
     def loaded(self) -> bool:
@@ -241,7 +245,7 @@ def _records_of_pass(cell: Cell, p: PassResult, eos_ids, speculative: bool):
         record = {
             "prompt_id": item.id, "task": cell.task, "batch_size": cell.batch_size,
             "temperature": cell.temperature, "k": k, "repetition": p.repetition,
-            "seed": seed, "output_token_ids": out, "prompt_tokens": res.prompt_tokens,
+            "engine_start": p.engine_start, "seed": seed, "output_token_ids": out, "prompt_tokens": res.prompt_tokens,
             "ttft": res.ttft, "latency": res.latency, "finish_reason": res.finish_reason,
             "tpot": metrics.tpot(res.latency, res.ttft, len(out)) if res.ttft else None,
             "time_share": p.wall * res.latency / latency_sum if latency_sum > 0 else 0.0,
@@ -329,6 +333,7 @@ def cell_result(cell: Cell, passes: list[PassResult], eos_ids, speculative: bool
         "loaded": any(p.loaded for p in passes),
         "passes_stop": passes_stop,
         "remeasured_passes": len(remeasured),
+        "engine_starts": len({p.engine_start for p in passes}),
     }
     assert tuple(figures) == FIGURE_KEYS
 

@@ -57,7 +57,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -292,11 +292,14 @@ class _Engines:
                      f"{'; a pooled engine, already running' if reused else ''})")
         return self.alive
 
-    def shutdown(self, failed=False):
+    def shutdown(self, failed=False, fresh=False):
+        """Shut every engine down (a pool's are given back, unless the run ``failed``).
+        ``fresh``: before the next engine start of a run (ProtocolSpec.engine_starts), so a
+        pool's are shut down too and ``need`` starts new ones."""
         while self.alive:
             _, engine = self.alive.popitem()
             try:
-                self._release(engine, failed)
+                self._release(engine, failed or fresh)
             except Exception as e:  # noqa: BLE001 - do not hide the original error
                 self.log(f"engine shutdown failed: {e}")
 
@@ -409,8 +412,8 @@ def _group_name(group) -> str:
 
 
 def measure_group(group: list[Cell], spec: ProtocolSpec, measure, records_of, log=print,
-                  clock=time.monotonic, between_run_variance: float | None = None
-                  ) -> GroupPasses:
+                  clock=time.monotonic, between_run_variance: float | None = None,
+                  earlier: GroupPasses | None = None) -> GroupPasses:
     """The passes of one group. ``measure(cell, repetition) -> PassResult`` measures one
     pass; ``records_of(cell, pass) -> [records]`` gives its per-request records.
 
@@ -421,10 +424,17 @@ def measure_group(group: list[Cell], spec: ProtocolSpec, measure, records_of, lo
     most ``spec.loaded_remeasure_limit`` times per group; past that a loaded group-pass is
     kept (its cells stay ``loaded``). Then ``stop_reason`` decides whether to measure
     another pass (adaptive passes: the half-widths are computed only when it may stop on
-    them, by ``group_half_widths`` with the protocol's ``between_run_variance``)."""
-    passes = {cell: [] for cell in group}
-    remeasured = {cell: [] for cell in group}
-    records = {cell: [] for cell in group}
+    them, by ``group_half_widths`` with the protocol's ``between_run_variance``).
+
+    ``earlier``: the group's passes from earlier engine starts (ProtocolSpec.engine_starts;
+    ``spec`` is then the start's ``per_start`` limits). They are kept, this start's passes
+    continue their repetition indices, the half-widths judge all of them together, and the
+    minimum, maximum, time budget and remeasure limit count this start's passes only."""
+    passes = {cell: list(earlier.passes[cell]) if earlier else [] for cell in group}
+    remeasured = {cell: list(earlier.remeasured[cell]) if earlier else [] for cell in group}
+    records = {cell: [r for p in passes[cell] for r in records_of(cell, p)]
+                     if spec.adaptive else [] for cell in group}
+    first = len(passes[group[0]])
     limit = spec.loaded_remeasure_limit
     again, kept_s, t0 = 0, [], clock()
     while True:
@@ -447,14 +457,14 @@ def measure_group(group: list[Cell], spec: ProtocolSpec, measure, records_of, lo
             if spec.adaptive:   # only an adaptive group judges its records as it goes
                 records[cell] += records_of(cell, p)
         kept_s.append(clock() - t_pass)
-        n = rep + 1
+        n = rep + 1 - first
         widths = (group_half_widths(records, between_run_variance)
                   if spec.adaptive and n >= spec.repetitions else None)
         stop = stop_reason(spec, n, clock() - t0, sum(kept_s) / len(kept_s), widths)
         if stop:
             if spec.adaptive:
                 shown = ", ".join("-" if w is None else f"{w:.1%}" for w in widths or [])
-                log(f"{_group_name(group)}: {n} passes, half-widths {shown} "
+                log(f"{_group_name(group)}: {rep + 1} passes, half-widths {shown} "
                     f"(stopped: {stop})")
             return GroupPasses(passes, remeasured, stop)
 
@@ -475,45 +485,40 @@ def _measure_groups(job, info, groups, log, pool=None):
 
     # A pool's engines serve from the pool's loop, which outlives this measurement.
     loop = pool.loop if pool is not None else asyncio.new_event_loop()
-    total, done, t_start = sum(len(g) for g in groups), 0, time.monotonic()
+    starts, per_start = spec.starts, spec.per_start()
+    total, done, t_start = sum(len(g) for g in groups) * starts, 0, time.monotonic()
+    earlier: dict = {}      # group index -> GroupPasses of the earlier engine starts
     engines, failed = None, True
     try:
         engines = _Engines(job, info, loop, warm_ids, log, pool)
-        for group in groups:
-            alive = engines.need(sorted(_speculative_configs(job)) if is_paired(job)
-                                 else [group[0].k])
+        for start in range(starts):
+            if start:
+                log(f"engine start {start + 1} of {starts}: starting every engine afresh")
+                engines.shutdown(fresh=True)
+            for index, group in enumerate(groups):
+                alive = engines.need(sorted(_speculative_configs(job)) if is_paired(job)
+                                     else [group[0].k])
 
-            def measure(cell, rep, alive=alive):
-                return loop.run_until_complete(measure_pass(
-                    alive[cell.k], cell, spec, cell_prompts(cell), prompt_ids[cell.task],
-                    rep, cell.k > 0, _sampler(spec.hardware)))
+                def measure(cell, rep, alive=alive, start=start):
+                    return replace(loop.run_until_complete(measure_pass(
+                        alive[cell.k], cell, spec, cell_prompts(cell), prompt_ids[cell.task],
+                        rep, cell.k > 0, _sampler(spec.hardware))), engine_start=start)
 
-            measured = measure_group(
-                group, spec, measure,
-                lambda cell, p: pass_records(cell, p, eos_ids, cell.k > 0), log,
-                between_run_variance=job.between_run_variance)
-            for cell in group:
-                engine = alive[cell.k]
-                actual = getattr(engine, "prefix_caching", None)
-                result = cell_result(cell, measured.passes[cell], eos_ids, cell.k > 0,
-                                     prefix_caching if actual is None else actual,
-                                     len(cell_prompts(cell)), measured.stop,
-                                     measured.remeasured[cell])
-                done += 1
-                f = result.figures
-                al = f["acceptance_length"]
-                log(f"cell {done}/{total} {cell.task} b={cell.batch_size} "
-                    f"T={cell.temperature:g} k={cell.k}: {f['generated_tokens']} tokens in "
-                    f"{f['wall_seconds']:.1f} s ({f['output_throughput'] or 0:.1f} tok/s"
-                    f" over {f['repetitions']} passes)"
-                    + (f", AL {al:.2f}, tokens/step {f['tokens_per_step']:.2f}"
-                       if al is not None else "")
-                    + (f"; {f['remeasured_passes']} loaded pass(es) measured again"
-                       if f["remeasured_passes"] else "")
-                    + ("; still loaded" if f["loaded"] else "")
-                    + ("" if result.checks["ok"] else
-                       f"; checks failed: {'; '.join(result.checks['failed'])}"))
-                yield result
+                measured = earlier[index] = measure_group(
+                    group, per_start, measure,
+                    lambda cell, p: pass_records(cell, p, eos_ids, cell.k > 0), log,
+                    between_run_variance=job.between_run_variance,
+                    earlier=earlier.get(index))
+                for cell in group:
+                    engine = alive[cell.k]
+                    actual = getattr(engine, "prefix_caching", None)
+                    result = cell_result(cell, measured.passes[cell], eos_ids, cell.k > 0,
+                                         prefix_caching if actual is None else actual,
+                                         len(cell_prompts(cell)), measured.stop,
+                                         measured.remeasured[cell])
+                    done += 1
+                    log(_cell_line(result, done, total, start, starts))
+                    yield result
         failed = False
     except GeneratorExit:   # the caller stopped early (a cancelled run): the engines are fine
         failed = False
@@ -525,7 +530,27 @@ def _measure_groups(job, info, groups, log, pool=None):
             from worker.engines.vllm_engine import close_event_loop
 
             close_event_loop(loop)
-        log(f"measured {done} of {total} cells in {time.monotonic() - t_start:.0f} s")
+        log(f"measured {done} of {total} cells{' (over engine starts)' if starts > 1 else ''}"
+            f" in {time.monotonic() - t_start:.0f} s")
+
+
+def _cell_line(result, done, total, start, starts) -> str:
+    """The log line of a measured cell (after each engine start's round when the protocol
+    has several: the figures so far, stored and replaced after the next round)."""
+    cell, f = result.cell, result.figures
+    al = f["acceptance_length"]
+    return (f"cell {done}/{total} {cell.task} b={cell.batch_size} "
+            f"T={cell.temperature:g} k={cell.k}: {f['generated_tokens']} tokens in "
+            f"{f['wall_seconds']:.1f} s ({f['output_throughput'] or 0:.1f} tok/s"
+            f" over {f['repetitions']} passes"
+            + (f", engine start {start + 1} of {starts}" if starts > 1 else "") + ")"
+            + (f", AL {al:.2f}, tokens/step {f['tokens_per_step']:.2f}"
+               if al is not None else "")
+            + (f"; {f['remeasured_passes']} loaded pass(es) measured again"
+               if f["remeasured_passes"] else "")
+            + ("; still loaded" if f["loaded"] else "")
+            + ("" if result.checks["ok"] else
+               f"; checks failed: {'; '.join(result.checks['failed'])}"))
 
 
 # --------------------------------------------------------------------------- protocol files
@@ -636,11 +661,13 @@ def cli(args, engine_pool=None) -> int:
         rows = json.loads(cells_path.read_text())
     elif requests_path.exists():
         requests_path.unlink()
-    skip = frozenset(cell_key(r) for r in rows)
+    # a row stored after an earlier engine start's round only is measured again
+    skip = frozenset(cell_key(r) for r in rows
+                     if (r.get("engine_starts") or 1) >= spec.starts)
     job = MeasureJob(spec, str(args.target), drafter, prompts, skip,
                      getattr(args, "synthetic_acceptance_length", None))
     try:
-        total = len(measurement_order(job))
+        total = len(measurement_order(job)) * spec.starts
         done, t0 = 0, time.monotonic()
         for event in iter_cells(job, log=lambda m: print(f"  {m}", flush=True),
                                 engine_pool=engine_pool):
@@ -648,7 +675,9 @@ def cli(args, engine_pool=None) -> int:
                 _write_json(out / "run.json", {
                     "protocol": spec.to_dict(), "protocol_sha256": spec.sha256(),
                     "target": str(args.target), "drafter": drafter.__dict__, **event})
-                print(f"measuring {total} cells with {event['engine']} "
+                print(f"measuring {total} cells"
+                      f"{f' (over {spec.starts} engine starts)' if spec.starts > 1 else ''}"
+                      f" with {event['engine']} "
                       f"{event['engine_version']} on {event['hardware_description']}",
                       flush=True)
                 continue
@@ -656,9 +685,10 @@ def cli(args, engine_pool=None) -> int:
             rows = [r for r in rows if cell_key(r) != event.cell.key]
             rows.append(_cell_row(event))
             _write_json(cells_path, rows)
-            with gzip.open(requests_path, "at") as f:
-                for r in event.records:
-                    f.write(json.dumps(r) + "\n")
+            if event.figures["engine_starts"] >= spec.starts:   # a cell's last round: all
+                with gzip.open(requests_path, "at") as f:        # of its records
+                    for r in event.records:
+                        f.write(json.dumps(r) + "\n")
             done += 1
             elapsed = time.monotonic() - t0
             eta = elapsed / done * (total - done)

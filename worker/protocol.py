@@ -10,7 +10,7 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 # An engine version a protocol may pin: a release number, optionally with a local or
 # pre-release tail ("0.31.0", "0.9.2rc1", "0.32.0+cpu"); it names a Celery queue too.
@@ -131,6 +131,15 @@ class ProtocolSpec:
     # engine versions, left out of the JSON so their hashes do not change): the deployment's
     # default engine measures it and each run records the version it used.
     engine_version: str | None = None
+    # Version 4 (left out of the JSON when unset): each cell's passes are split over this
+    # many engine starts. The run measures every group once per start, in rounds, and
+    # shuts down and starts every engine afresh between rounds (worker.measure), so what an
+    # engine start fixes for its whole life (memory placement, thread and cache layout)
+    # varies inside the run, and its interval and calibration see it, instead of being one
+    # draw per run that only reruns reveal. ``repetitions``, ``max_repetitions`` and
+    # ``cell_time_budget_s`` count a cell's passes and seconds over all its starts and are
+    # split evenly between them (``per_start``). Unset: one start (every earlier version).
+    engine_starts: int | None = None
 
     def __post_init__(self):
         problems = []
@@ -189,6 +198,12 @@ class ProtocolSpec:
                             "(a target the prompts cannot reach would measure forever)")
         if self.max_loaded_remeasures is not None and self.max_loaded_remeasures < 0:
             problems.append("max_loaded_remeasures must be >= 0")
+        m = self.engine_starts
+        if m is not None and not (isinstance(m, int) and not isinstance(m, bool) and m >= 1):
+            problems.append("engine_starts must be a positive integer")
+        elif m is not None and self.repetitions < m:
+            problems.append(f"repetitions ({self.repetitions}) must be at least engine_starts "
+                            f"({m}): every engine start measures at least one pass")
         for b, n in self.prompts_by_batch_size.items():
             if b not in self.batch_sizes:
                 problems.append(f"prompts_by_batch_size names batch size {b}, not one of the "
@@ -206,6 +221,26 @@ class ProtocolSpec:
     @property
     def adaptive(self) -> bool:
         return self.target_half_width is not None
+
+    @property
+    def starts(self) -> int:
+        """The engine starts each cell's passes are split over (1 when unset)."""
+        return self.engine_starts or 1
+
+    def per_start(self) -> ProtocolSpec:
+        """The pass limits one engine start's round applies (``engine_starts``): the
+        minimum and maximum passes and the time budget divided by the starts, the minimum
+        and maximum rounded up (so the rounds together measure at least ``repetitions``).
+        The spec itself with one start."""
+        m = self.starts
+        if m == 1:
+            return self
+        return replace(
+            self, engine_starts=None, repetitions=-(-self.repetitions // m),
+            max_repetitions=(None if self.max_repetitions is None
+                             else max(-(-self.max_repetitions // m), -(-self.repetitions // m))),
+            cell_time_budget_s=(None if self.cell_time_budget_s is None
+                                else self.cell_time_budget_s / m))
 
     def cell_prompts(self, task, batch_size: int) -> int:
         """How many of `task`'s prompts (a TaskSpec or its name) the cells at `batch_size`
@@ -251,6 +286,8 @@ class ProtocolSpec:
             # Version 3: only the keys set (see V3_KEYS).
             **self._v3_dict(),
             **({"engine_version": self.engine_version} if self.engine_version else {}),
+            # Version 4: only when set.
+            **({"engine_starts": self.engine_starts} if self.engine_starts else {}),
         }
 
     @classmethod

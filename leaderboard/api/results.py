@@ -98,6 +98,10 @@ class ResultOut(Out):
                                        "measuring passes: fixed, target, budget, max")
     remeasured_passes: Optional[int] = Field(None, description="passes measured again "
                                              "because the engine's cores were loaded")
+    engine_starts: Optional[int] = Field(None, description="engine starts the cell's passes "
+                                         "came from; fewer than the protocol's "
+                                         "engine_starts: still being measured (null before "
+                                         "protocol v4)")
     speedup_prompts_low: Optional[float] = Field(None, description="95% interval of the "
                                                  "speedup across prompts, low (other prompts "
                                                  "of the task's kind)")

@@ -54,8 +54,10 @@ class RunOut(Out):
                                    "(served by a worker of that version)")
     position: Optional[int] = Field(description="place in its queue (1 = next); null unless "
                                                 "queued")
-    cells_done: int = Field(description="cells measured")
-    cells_total: int = Field(description="cells in the grid")
+    cells_done: int = Field(description="cell measurements stored: a cell counts once per "
+                                        "engine start its passes came from")
+    cells_total: int = Field(description="cell measurements in all: the grid's cells times "
+                                         "the protocol's engine starts (1 before v4)")
     progress: float = Field(description="cells_done / cells_total")
     eta_seconds: Optional[float] = Field(description="estimated seconds left while running")
     cancel_requested: bool = Field(description="a cancel was asked for")

@@ -204,7 +204,8 @@ def run_page(run_id: int) -> dict | None:
     spec = run.protocol.spec
     return {"run": {**run_summary(run, position), "drift": run.drift,
                     "drift_flagged": run.drift_flagged, "max_drift": spec.max_drift,
-                    "baseline_mode": spec.baseline, "repetitions": spec.repetitions},
+                    "baseline_mode": spec.baseline, "repetitions": spec.repetitions,
+                    "engine_starts": spec.starts},
             "cells": cells,
             "checks_failed": [c for c in cells if c["checks_ok"] is False],
             "loaded": [c for c in cells if c["loaded"]]}

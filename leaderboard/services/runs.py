@@ -62,6 +62,22 @@ def cells_for(protocol: Protocol, drafter: Drafter | None):
     return protocol.spec.run_cells(drafter.method if drafter is not None else "baseline")
 
 
+def measurements_total(protocol: Protocol, drafter: Drafter | None) -> int:
+    """A run's cell measurements (``Run.cells_total``): every cell once per engine start
+    (ProtocolSpec.engine_starts: a cell is stored after each start's round)."""
+    return len(cells_for(protocol, drafter)) * protocol.spec.starts
+
+
+def measurements_done(run: Run) -> int:
+    """The run's stored cell measurements (``Run.cells_done``): each stored cell counts the
+    engine starts its passes came from, at most the protocol's (one each before v4)."""
+    starts = run.protocol.spec.starts
+    rows = Result.objects.filter(run=run)
+    if starts == 1:
+        return rows.count()
+    return sum(min(n or 1, starts) for n in rows.values_list("engine_starts", flat=True))
+
+
 def needs_shared_baseline(protocol: Protocol, drafter: Drafter | None,
                           engine_version: str | None = None) -> bool:
     """A drafter run under a shared protocol needs a baseline run (succeeded, queued or
@@ -83,7 +99,7 @@ def queue_run(protocol: Protocol, drafter: Drafter | None, send=True) -> Run:
             queue_run(protocol, None, send=send)
         run = Run.objects.create(drafter=drafter, protocol=protocol, hardware=protocol.hardware,
                                  queue=protocol.spec.queue,
-                                 cells_total=len(cells_for(protocol, drafter)))
+                                 cells_total=measurements_total(protocol, drafter))
         if send:
             enqueue(run)
     return run
@@ -181,9 +197,14 @@ def build_job(run: Run):
         check_supported(drafter.method, run.hardware)
         path = drafter_folder(drafter) if drafter.files.exists() else None
         spec = DrafterSpec(method=drafter.method, path=path, params=dict(drafter.params))
+    # Cells measured in full are skipped on resume; one stored after an earlier engine
+    # start's round only (ProtocolSpec.engine_starts) is measured again over every start.
+    starts = protocol.spec.starts
     done = frozenset(
         cell_key(r)
-        for r in Result.objects.filter(run=run).values("task", "batch_size", "temperature", "k"))
+        for r in Result.objects.filter(run=run).values("task", "batch_size", "temperature", "k",
+                                                       "engine_starts")
+        if (r["engine_starts"] or 1) >= starts)
     target = protocol.target
     if not target.path or not Path(target.path).is_dir():
         raise RunError(f"target {target.slug}: checkpoint folder {target.path!r} is missing on "
@@ -318,7 +339,7 @@ def record_started(run: Run, info: dict):
 
 
 def update_progress(run: Run, measured_this_attempt: int, attempt_started: float):
-    done = Result.objects.filter(run=run).count()
+    done = measurements_done(run)
     remaining = max(run.cells_total - done, 0)
     eta = None
     if measured_this_attempt:
@@ -344,7 +365,7 @@ def finish(run: Run, state: str, error: str = "", tail: str = ""):
     if state == Run.SUCCEEDED:
         fields["artifact"] = records.write_artifact(
             run.pk, (run_records.cell(c) for c in cells_for(run.protocol, run.drafter)))
-        fields["cells_done"] = Result.objects.filter(run=run).count()
+        fields["cells_done"] = measurements_done(run)
     if not run.is_baseline:
         fields["drift"] = run_drift(run)
         fields["drift_flagged"] = (fields["drift"] is not None
