@@ -27,6 +27,7 @@ table; tests/test_calibration.py tests it on seeded records.
     .venv/bin/python bench/rerun.py DRAFTER [--protocol SLUG[@VERSION]] [--count 2] [--sync]
                                     [--gap-minutes 60] [--estimate]
     .venv/bin/python bench/rerun.py --runs ID ID [...] [--estimate]   # existing runs
+    .venv/bin/python bench/rerun.py --starts RUN   # within and between engine starts
 
 The site's settings apply (DATABASE_URL, or the embedded var/): run it where the site's
 database and records are. Without --sync a worker must serve the queue
@@ -171,6 +172,51 @@ def report(run_ids, estimate_here=False):
     return rows
 
 
+def starts_report(run_id):
+    """One run under a protocol with several engine starts (ProtocolSpec.engine_starts):
+    every drafter cell's pass speedups by start, and how far passes move within a start
+    against between starts (worker.calibration.start_components): the engine start's own
+    variance, measured inside one run."""
+    from leaderboard import records
+    from leaderboard.models import Result, Run
+    from worker import calibration
+    from worker.protocol import Cell
+
+    run = Run.objects.filter(pk=run_id).select_related("protocol", "drafter").first()
+    if run is None or run.is_baseline:
+        sys.exit(f"no drafter run {run_id}")
+    print(f"\nrun {run.pk}: {run.drafter.slug} under {run.protocol} "
+          f"({run.protocol.spec.starts} engine starts), {run.state}\n")
+    head = f"{'task':<16}{'b':>3}{'k':>3}  pass speedups by start (start: speedups)"
+    print(head)
+    print("-" * len(head))
+    read = records.RunRecords(run.pk)
+    cells, cells_b4 = [], []
+    for result in (Result.objects.filter(run=run, k__gt=0, baseline_result__isnull=False)
+                   .select_related("baseline_result").order_by("task", "batch_size", "k")):
+        base = result.baseline_result
+        passes = calibration.pass_log_speedup(
+            read.cell(Cell.of(result)),
+            records.RunRecords(base.run_id).cell(Cell.of(base, k=0)))
+        cells.append(passes)
+        if result.batch_size >= 4:
+            cells_b4.append(passes)
+        by_start: dict = {}
+        for (start, _), y in sorted(passes.items()):
+            by_start.setdefault(start, []).append(f"{math.exp(y):.3f}")
+        print(f"{result.task:<16}{result.batch_size:>3}{result.k:>3}  "
+              + "; ".join(f"{s}: {', '.join(v)}" for s, v in sorted(by_start.items())))
+
+    def sd(v):
+        return "-" if v is None else f"{math.sqrt(v) * 100:.2f}%"
+
+    for label, group in (("all cells", cells), ("b >= 4", cells_b4)):
+        c = calibration.start_components(group)
+        print(f"\n{label}: one pass's log-speedup sd within a start {sd(c.within)} "
+              f"({c.within_pairs} pairs), between starts {sd(c.between)} "
+              f"({c.between_pairs} pairs); the engine start's own sd {sd(c.start)}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("drafter", nargs="?", help="drafter slug to measure again")
@@ -182,9 +228,16 @@ def main():
     parser.add_argument("--runs", type=int, nargs="+", help="report on these runs only")
     parser.add_argument("--estimate", action="store_true",
                         help="z_rerun with the between-run variance these runs give")
+    parser.add_argument("--starts", type=int, metavar="RUN",
+                        help="one run under a protocol with several engine starts: its pass "
+                             "speedups within and between starts")
     args = parser.parse_args()
+    if args.starts:
+        django_setup()
+        starts_report(args.starts)
+        return
     if not args.runs and not args.drafter:
-        parser.error("give a DRAFTER to measure, or --runs ID ID")
+        parser.error("give a DRAFTER to measure, or --runs ID ID, or --starts RUN")
     django_setup()
     ids = args.runs or measure(args)
     report(ids, args.estimate)

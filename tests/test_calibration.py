@@ -338,3 +338,50 @@ def test_rerun_table_columns():
     assert shares["z_within"] < 0.85 <= shares["z_rerun"] and shares["z_stored"] >= 0.9
     assert cal.table_shares([]) == {"cells": 0, "z_stored": None, "z_within": None,
                                     "z_rerun": None}
+
+
+# ----------------------------------------------------------------------- engine starts
+
+def _records(rate, passes, prompts=4, tokens=50):
+    """Records of one cell: ``passes`` {(engine start, repetition): relative speed}, every
+    prompt ``tokens`` long, at ``rate`` tokens/s x the pass's speed."""
+    return [{"prompt_id": str(i), "engine_start": s, "repetition": r,
+             "output_token_ids": [1] * tokens, "time_share": tokens / (rate * speed)}
+            for (s, r), speed in passes.items() for i in range(prompts)]
+
+
+def test_pass_log_speedup_divides_each_pass_by_the_baseline_pass_of_its_repetition():
+    from worker.calibration import pass_log_speedup
+
+    base = _records(30.0, {(0, 0): 1.0, (0, 1): 0.5, (1, 2): 1.0})
+    drafter = _records(45.0, {(0, 0): 1.0, (0, 1): 0.5, (1, 2): 1.1, (1, 3): 1.0})
+    got = pass_log_speedup(drafter, base)
+    assert set(got) == {(0, 0), (0, 1), (1, 2)}         # pass 3 has no baseline pass
+    assert got[(0, 0)] == pytest.approx(math.log(1.5))
+    assert got[(0, 1)] == pytest.approx(math.log(1.5))  # a slow pass on both sides cancels
+    assert got[(1, 2)] == pytest.approx(math.log(1.65))
+    # records before engine starts (no key) are start 0
+    old = [{k: v for k, v in r.items() if k != "engine_start"} for r in base]
+    assert pass_log_speedup(old, old) == {(0, 0): 0.0, (0, 1): 0.0, (0, 2): 0.0}
+
+
+def test_start_components_separate_the_engine_starts_variance_from_the_passes():
+    """Seeded: 400 cells, two starts of two passes each; a pass's log-speedup is the cell's
+    plus its start's effect (sd 3%) plus its own noise (sd 1%)."""
+    from worker.calibration import start_components
+
+    rng = np.random.default_rng(3)
+    cells = []
+    for _ in range(400):
+        mu = rng.normal(0.2, 0.3)
+        starts = rng.normal(0, 0.03, size=2)
+        cells.append({(s, r): mu + starts[s] + rng.normal(0, 0.01)
+                      for s, r in ((0, 0), (0, 1), (1, 2), (1, 3))})
+    c = start_components(cells)
+    assert (c.within_pairs, c.between_pairs) == (400 * 2, 400 * 4)
+    assert math.sqrt(c.within) == pytest.approx(0.01, rel=0.1)
+    assert math.sqrt(c.between) == pytest.approx(math.hypot(0.01, 0.03), rel=0.1)
+    assert math.sqrt(c.start) == pytest.approx(0.03, rel=0.1)
+    # one pass per start: no within pairs, so no start component either
+    one = start_components([{(0, 0): 0.1, (1, 1): 0.2}])
+    assert one.within is None and one.start is None and one.between == pytest.approx(0.005)

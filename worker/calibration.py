@@ -255,3 +255,54 @@ def table_shares(rows, bound: float = 1.96) -> dict:
         zs = [r[column] for r in rows if r[column] is not None]
         out[column] = sum(abs(z) <= bound for z in zs) / len(zs) if zs else None
     return out
+
+
+@dataclass(frozen=True)
+class StartComponents:
+    """How far one run's pass speedups move within an engine start and between starts
+    (ProtocolSpec.engine_starts), in log space. ``within``: the variance of one pass's
+    log-speedup about its start's, from cells with two or more passes in a start;
+    ``between``: half the mean squared difference of two passes in different starts, which
+    is ``within`` plus the engine start's own variance; ``start`` = between - within (the
+    part an engine start fixes, floored at 0). None where no pair of that kind exists."""
+    within: float | None
+    between: float | None
+    start: float | None
+    within_pairs: int
+    between_pairs: int
+
+
+def pass_log_speedup(drafter_records, baseline_records) -> dict:
+    """{(engine start, repetition): log speedup of that pass} of a paired cell: each
+    repetition's drafter requests over the baseline's of the same repetition (tokens /
+    time shares, as the cell's figure). Passes without both sides are left out."""
+    def sums(records):
+        out: dict = {}
+        for r in records:
+            key = (r.get("engine_start", 0), r.get("repetition", 0))
+            tokens, seconds = out.get(key, (0, 0.0))
+            out[key] = (tokens + len(r["output_token_ids"]), seconds + r["time_share"])
+        return out
+
+    d, b = sums(drafter_records), sums(baseline_records)
+    found = {}
+    for key in d.keys() & b.keys():
+        (dt, ds), (bt, bs) = d[key], b[key]
+        if dt > 0 and ds > 0 and bt > 0 and bs > 0:
+            found[key] = math.log((dt / ds) / (bt / bs))
+    return found
+
+
+def start_components(cells) -> StartComponents:
+    """StartComponents from ``cells``: one ``pass_log_speedup`` dict per cell. Every pair of
+    passes of a cell counts once: half its squared difference estimates the variance of
+    one pass when both are in one start (within), and that plus the start's variance when
+    they are in different starts (between)."""
+    within, between = [], []
+    for passes in cells:
+        for (ka, ya), (kb, yb) in itertools.combinations(sorted(passes.items()), 2):
+            (within if ka[0] == kb[0] else between).append((ya - yb) ** 2 / 2)
+    w = sum(within) / len(within) if within else None
+    b = sum(between) / len(between) if between else None
+    start = max(b - w, 0.0) if w is not None and b is not None else None
+    return StartComponents(w, b, start, len(within), len(between))
