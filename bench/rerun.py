@@ -177,8 +177,8 @@ def starts_report(run_id):
     every drafter cell's pass speedups by start, and how far passes move within a start
     against between starts (worker.calibration.start_components): the engine start's own
     variance, measured inside one run."""
-    from leaderboard import records
     from leaderboard.models import Result, Run
+    from leaderboard.services.calibration import RecordsByRun
     from worker import calibration
     from worker.protocol import Cell
 
@@ -190,14 +190,13 @@ def starts_report(run_id):
     head = f"{'task':<16}{'b':>3}{'k':>3}  pass speedups by start (start: speedups)"
     print(head)
     print("-" * len(head))
-    read = records.RunRecords(run.pk)
+    read = RecordsByRun()     # each run's records read once (the paired baseline is this run's)
     cells, cells_b4 = [], []
     for result in (Result.objects.filter(run=run, k__gt=0, baseline_result__isnull=False)
                    .select_related("baseline_result").order_by("task", "batch_size", "k")):
         base = result.baseline_result
         passes = calibration.pass_log_speedup(
-            read.cell(Cell.of(result)),
-            records.RunRecords(base.run_id).cell(Cell.of(base, k=0)))
+            read(run.pk).cell(Cell.of(result)), read(base.run_id).cell(Cell.of(base, k=0)))
         cells.append(passes)
         if result.batch_size >= 4:
             cells_b4.append(passes)

@@ -31,7 +31,7 @@ class Change:
     after: tuple
 
 
-class _Records:
+class RecordsByRun:
     """RunRecords of several runs, each read once."""
 
     def __init__(self):
@@ -61,7 +61,7 @@ def measured_within_run(run_list, read=None) -> list[calibration.Measured]:
     passes' standard error (prompts held fixed), recomputed from the raw records (cells
     without records or without a baseline cell are left out).
     The key is (drafter id, task, batch size, temperature, k)."""
-    read = read or _Records()
+    read = read or RecordsByRun()
     out = []
     for run in run_list:
         cells = (Result.objects.filter(run=run, k__gt=0, baseline_result__isnull=False)
@@ -94,7 +94,7 @@ def apply(protocol: Protocol) -> list[Change]:
     """Re-divide every drafter cell of the protocol by its pinned baseline cell, so its
     stored interval carries the protocol's current calibration; the cells whose speedup
     or bounds changed."""
-    read = _Records()
+    read = RecordsByRun()
     changes = []
     cells = (Result.objects.filter(run__protocol=protocol, k__gt=0,
                                    baseline_result__isnull=False)
