@@ -196,9 +196,10 @@ engine-env:
 intake-worker: migrate
 	$(VENV)/bin/celery -A leaderboard worker -Q intake -c 1 --loglevel INFO -n intake@%h
 
-# The suite runs on TEST_WORKERS pytest-xdist workers (0: in this process): one runs the
-# engine tests in order, the other everything else beside it (tests/isolation.py).
-TEST_WORKERS ?= 2
+# The suite runs on TEST_WORKERS pytest-xdist workers (0: in this process): two run the
+# engine tests in order, one lane per core (their engines pinned there), the third
+# everything else beside them (tests/isolation.py).
+TEST_WORKERS ?= 3
 # The wall time of the whole `make test` (installs included), printed pass or fail, after
 # the 25 slowest tests (where the time goes).
 ifneq ($(filter test,$(MAKECMDGOALS)),)

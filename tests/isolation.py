@@ -18,15 +18,26 @@ session owns its world, and the fast tests run first.
 - Order: tests neither marked ``vllm`` nor ``browser`` first, then ``browser``, then
   ``vllm`` (real engine starts, minutes each), each group in collection order, so a
   failure in the fast tests shows within a minute.
-- In parallel (``make test`` runs ``pytest -n 2``, pytest-xdist): every module with an
-  engine test is one unit of work, handed out first, so that one worker runs the engine
-  tests in order (vLLM pins its engine to core 0; two engines at once would share that
-  core) while the other runs the fast and browser tests beside it
-  (``pytest_xdist_make_scheduler``). Modules marked ``engine_core`` (tests that pin a busy
-  loop to core 0 and need it to get that core) join the engine unit: beside an engine they
-  would measure the engine, not themselves. Each worker is a session of its own: its own var/,
-  test database (``_gw0``, ``_gw1``) and broker key prefix.
+- In parallel (``make test`` runs ``pytest -n 3``, pytest-xdist): the engine tests run in two
+  *engine lanes*, each a unit of work handed out first, each with its own core: the modules
+  marked ``vllm`` run on core 0 (vLLM's own choice on this machine), those marked
+  ``vllm(core=1)`` with ``VLLM_CPU_OMP_THREADS_BIND=1``, so their engines (and the engines
+  of the Celery workers and commands they start) compute on core 1 and the two lanes never
+  share an engine core. The third worker runs the fast and browser tests beside them
+  (``pytest_xdist_make_scheduler``). An engine start is mostly Python imports in three
+  processes (about 30 s on the 2-core machine) and a lane is mostly engine starts, so two
+  lanes fill both cores where one left the second core idle. Modules marked ``engine_core``
+  (tests that pin a busy loop to core 0 and need it to get that core) join the core-0 lane
+  and run first in it, before its first engine starts. Each worker is a session of its own:
+  its own var/, test database (``_gw0`` ... ``_gw2``) and broker key prefix.
+- A test marked ``quiet`` (one that asserts that nothing else loaded the machine while it
+  measured) waits until no other test of the session runs and holds the others back while
+  it runs: every test holds a shared lock, a quiet one the exclusive lock, with a gate that
+  lets it in ahead of the tests still queued (``QuietLock``; ``SPECBOARD_TEST_LOCK_DIR``,
+  made by the controller for all its workers). Quiet tests run last in their lane.
 """
+import contextlib
+import fcntl
 import os
 import re
 import shutil
@@ -75,13 +86,24 @@ def pytest_report_header(config):
     return [f"specboard: var {var} (its own), demo-target cache {cache_dir()}"]
 
 
-ENGINE_GROUP = "engine"
-# The markers that put a module in the engine unit: engine tests, and tests that need the
-# engine's core to themselves.
+# The engine lanes: a module's engine tests run in the lane of the core its marker names
+# (``pytest.mark.vllm``: core 0; ``pytest.mark.vllm(core=1)``: core 1).
+ENGINE_UNIT = "engine-core{}"
+# The markers that put a module in an engine lane: engine tests, and tests that need the
+# engine's core to themselves (those join the core-0 lane).
 ENGINE_UNIT_MARKERS = ("vllm", "engine_core")
 # A top-level test decorated with one, or a module-wide pytestmark naming one.
 ENGINE_MARK = re.compile(r"^(@pytest\.mark\.(vllm|engine_core)\b"
                          r"|pytestmark\b.*\bmark\.(vllm|engine_core)\b)", re.M)
+ENGINE_CORE_ARG = re.compile(r"\bmark\.vllm\(\s*core\s*=\s*(\d+)\s*\)")
+# The engine pins its compute threads to the lane's core through vLLM's own setting.
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+# A test that needs the machine to itself: the engine_core tests (a busy loop pinned to the
+# engine's core, or a run that must come out unloaded once it stops).
+QUIET_MARKER = "engine_core"
+LOCK_DIR_ENV = "SPECBOARD_TEST_LOCK_DIR"
+LOCK_KEY = pytest.StashKey["QuietLock"]()
+OWN_LOCK_DIR_KEY = pytest.StashKey[Path]()
 
 
 def _group(item):
@@ -105,46 +127,59 @@ def _slowest(items):
     return slowest
 
 
-def is_engine_module(path: Path) -> bool:
-    """Whether a test module belongs to the engine unit, read from its source: under xdist
-    the controller, which schedules, collects nothing. The project marks them with
-    ``pytest.mark.vllm`` or ``pytest.mark.engine_core`` (a decorator or ``pytestmark``);
-    each worker checks that this rule agrees with the markers it collected."""
+def engine_lane(path: Path) -> int | None:
+    """The core of the engine lane a test module runs in (None: not an engine module), read
+    from its source: under xdist the controller, which schedules, collects nothing. The
+    project marks them with ``pytest.mark.vllm`` (core 0), ``pytest.mark.vllm(core=N)``
+    or ``pytest.mark.engine_core`` (core 0), as a decorator or in ``pytestmark``; each
+    worker checks that this rule agrees with the markers it collected."""
     try:
-        return ENGINE_MARK.search(path.read_text()) is not None
+        source = path.read_text()
     except OSError:
-        return False
+        return None
+    if ENGINE_MARK.search(source) is None:
+        return None
+    found = ENGINE_CORE_ARG.search(source)
+    return int(found.group(1)) if found else 0
+
+
+def _marked_lane(item) -> int | None:
+    """The engine lane an item's own markers name (None: none)."""
+    vllm = item.get_closest_marker("vllm")
+    if vllm is not None:
+        return int(vllm.kwargs.get("core", 0))
+    return 0 if item.get_closest_marker("engine_core") else None
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """Every engine module is one unit of work, the largest, so it is handed out first
-    (xdist's loadscope reordering): one worker runs the engine tests in order while the
-    other takes every other test, one by one, beside it."""
+    """Each engine lane is one unit of work, larger than any other, so the lanes are handed
+    out first (xdist's loadscope reordering), one to a worker: those workers run their
+    engine tests in order while the last takes every other test, one by one, beside them."""
     from xdist.scheduler import LoadScopeScheduling
 
-    class EngineFirst(LoadScopeScheduling):
+    class EngineLanesFirst(LoadScopeScheduling):
         def _split_scope(self, nodeid):
-            module = config.rootpath / nodeid.split("::", 1)[0]
-            return ENGINE_GROUP if is_engine_module(module) else nodeid
+            lane = engine_lane(config.rootpath / nodeid.split("::", 1)[0])
+            return nodeid if lane is None else ENGINE_UNIT.format(lane)
 
-    return EngineFirst(config, log)
+    return EngineLanesFirst(config, log)
 
 
 class _EngineModulesAgree:
-    """In an xdist worker: the scheduler's rule (is_engine_module) agrees with the markers
-    of every module collected, checked before -k or -m deselect any test; a module where
-    it does not is named in a warning (its engine tests may run beside another engine,
-    slower, not wrong)."""
+    """In an xdist worker: the scheduler's rule (engine_lane) agrees with the markers of
+    every module collected, checked before -k or -m deselect any test; a module where it
+    does not is named in a warning (its engine tests may run beside another engine on the
+    same core, slower, not wrong)."""
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, config, items):
-        engine_unit = {}
-        for item in items:
-            engine_unit[_module(item)] = engine_unit.get(_module(item), False) or any(
-                item.get_closest_marker(m) for m in ENGINE_UNIT_MARKERS)
-        wrong = sorted(m for m, marked in engine_unit.items()
-                       if marked != is_engine_module(config.rootpath / m))
+        lanes = {}
+        for item in items:   # a module's lane: the first its tests' markers name
+            if lanes.get(_module(item)) is None:
+                lanes[_module(item)] = _marked_lane(item)
+        wrong = sorted(m for m, lane in lanes.items()
+                       if lane != engine_lane(config.rootpath / m))
         if wrong:
             warnings.warn(pytest.PytestWarning(
                 f"{', '.join(wrong)}: the parallel scheduler reads engine modules from "
@@ -152,19 +187,85 @@ class _EngineModulesAgree:
                 "disagrees with their markers: mark them so"))
 
 
+class QuietLock:
+    """One lock for the workers of a session, in files of ``folder``: every test holds it
+    shared, a quiet test exclusively. Writers first: a quiet test takes the gate before it
+    waits for the tests in flight, and a test that starts meanwhile waits at the gate, so
+    the quiet test runs as soon as those in flight end."""
+
+    def __init__(self, folder: Path):
+        self.gate = open(folder / "gate", "a+")
+        self.lock = open(folder / "lock", "a+")
+
+    @contextlib.contextmanager
+    def held(self, exclusive: bool):
+        if exclusive:
+            fcntl.flock(self.gate, fcntl.LOCK_EX)
+            fcntl.flock(self.lock, fcntl.LOCK_EX)
+        else:
+            fcntl.flock(self.gate, fcntl.LOCK_SH)
+            fcntl.flock(self.lock, fcntl.LOCK_SH)
+            fcntl.flock(self.gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(self.lock, fcntl.LOCK_UN)
+            if exclusive:
+                fcntl.flock(self.gate, fcntl.LOCK_UN)
+
+
+def _lane_core(item) -> int | None:
+    """The core a test's engines are pinned to, where its lane is not core 0 and the
+    machine has that core (None: vLLM's own choice, core 0 here)."""
+    lane = _marked_lane(item)
+    if not lane or BIND_ENV in os.environ or lane not in os.sched_getaffinity(0):
+        return None
+    return lane
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    # Around setup, call and teardown: a module fixture that starts an engine is built in
+    # its first test's setup, so it runs pinned and under the lock too.
+    lock = item.config.stash.get(LOCK_KEY, None)
+    core = _lane_core(item)
+    quiet = item.get_closest_marker(QUIET_MARKER) is not None
+    with contextlib.ExitStack() as stack:
+        if lock is not None:
+            stack.enter_context(lock.held(exclusive=quiet))
+        if core is not None:
+            os.environ[BIND_ENV] = str(core)
+            stack.callback(os.environ.pop, BIND_ENV, None)
+        return (yield)
+
+
 def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         config.pluginmanager.register(_EngineModulesAgree(), "specboard-engine-modules")
+    # An xdist worker shares its controller's lock folder; any other session (the
+    # controller, a session without workers, a pytest that a test starts) makes its own.
+    folder = os.environ.get(LOCK_DIR_ENV) if hasattr(config, "workerinput") else None
+    if not folder:
+        folder = tempfile.mkdtemp(prefix="specboard-test-locks-")
+        os.environ[LOCK_DIR_ENV] = folder
+        config.stash[OWN_LOCK_DIR_KEY] = Path(folder)
+    config.stash[LOCK_KEY] = QuietLock(Path(folder))
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    # trylast: after pytest's own reordering by fixture scope; sorted() is stable.
+    # trylast: after pytest's own reordering by fixture scope; sorted() is stable. Quiet
+    # tests last: by then the other lanes are ending, and no engine of their own lane is
+    # being started.
     slowest = _slowest(items)
-    items[:] = sorted(items, key=lambda item: slowest[_module(item)])
+    items[:] = sorted(items, key=lambda item: (
+        item.get_closest_marker(QUIET_MARKER) is not None, slowest[_module(item)]))
 
 
 def pytest_unconfigure(config):
     var = config.stash.get(VAR_KEY, None)
     if var is not None and os.environ.get("SPECBOARD_TEST_KEEP_VAR") != "1":
         shutil.rmtree(var, ignore_errors=True)
+    locks = config.stash.get(OWN_LOCK_DIR_KEY, None)
+    if locks is not None:
+        shutil.rmtree(locks, ignore_errors=True)

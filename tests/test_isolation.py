@@ -3,6 +3,7 @@ secret key, media, the SQLite test database) is a temporary folder, never the ch
 var/; a message it sends lands in its own queue folder or under its own Redis key prefix;
 the processes it starts inherit all of it; and the fast tests are collected first."""
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -122,56 +123,85 @@ def test_fast_tests_are_collected_first_then_browser_then_vllm_modules_whole(tmp
                      "test_engine_fast"]
 
 
-def test_in_parallel_one_worker_runs_every_engine_test_while_the_other_runs_the_rest(tmp_path):
-    # make test runs pytest -n 2: the engine modules are one unit of work (two engines at
-    # once would share vLLM's core), handed out first; the other tests go to the other
-    # worker meanwhile. Each test records its worker.
-    record = ("import os, pathlib\n"
-              "def note(name):\n"
+def test_in_parallel_each_engine_lane_has_a_worker_and_its_core_and_a_quiet_test_runs_alone(
+        tmp_path):
+    # make test runs pytest -n 3: each engine lane (the modules marked vllm, core 0; those
+    # marked vllm(core=1)) is one unit of work, handed out first, its engines pinned to its
+    # core; the other tests go to the third worker meanwhile. A quiet test (engine_core)
+    # runs last in the core-0 lane with no other test beside it. Each test records its
+    # worker, the binding it saw and when it ran.
+    record = ("import os, time\n"
+              "def run(name, seconds=0.0):\n"
+              "    start = time.time(); time.sleep(seconds)\n"
               f"    with open({str(tmp_path / 'ran.txt')!r}, 'a') as f:\n"
-              "        f.write(f\"{name} {os.environ['PYTEST_XDIST_WORKER']}\\n\")\n")
+              "        f.write(f\"{name} {os.environ['PYTEST_XDIST_WORKER']} \"\n"
+              "                f\"{os.environ.get('VLLM_CPU_OMP_THREADS_BIND', '-')} \"\n"
+              "                f\"{start} {time.time()}\\n\")\n")
     (tmp_path / "record.py").write_text(record)
     (tmp_path / "test_engine_a.py").write_text(textwrap.dedent("""\
-        import time
         import pytest
-        from record import note
+        from record import run
 
         @pytest.mark.vllm
-        def test_engine_1(): note("engine_1"); time.sleep(1.5)
+        def test_engine_1(): run("engine_1", 1.5)
 
-        def test_engine_module_fast(): note("engine_module_fast")
+        def test_engine_module_fast(): run("engine_module_fast")
     """))
     (tmp_path / "test_engine_b.py").write_text(textwrap.dedent("""\
         import pytest
-        from record import note
+        from record import run
 
         pytestmark = pytest.mark.vllm
 
-        def test_engine_2(): note("engine_2")
+        def test_engine_2(): run("engine_2")
     """))
-    # a test that needs the engine's core to itself (a hog pinned to it) joins the engine
-    # unit: never beside an engine
+    (tmp_path / "test_lane_1.py").write_text(textwrap.dedent("""\
+        import pytest
+        from record import run
+
+        pytestmark = [pytest.mark.vllm(core=1)]
+
+        def test_lane_1_a(): run("lane_1_a", 1.5)
+
+        def test_lane_1_b(): run("lane_1_b", 1.5)
+    """))
+    # a test that needs the engine's core (or the machine) to itself joins the core-0 lane
     (tmp_path / "test_core.py").write_text(textwrap.dedent("""\
         import pytest
-        from record import note
+        from record import run
 
         @pytest.mark.engine_core
-        def test_pinned_hog(): note("pinned_hog")
+        def test_pinned_hog(): run("pinned_hog", 0.5)
     """))
     (tmp_path / "test_fast.py").write_text(
-        "from record import note\n"
-        + "".join(f"def test_fast_{i}(): note('fast_{i}')\n" for i in range(6)))
+        "from record import run\n"
+        + "".join(f"def test_fast_{i}(): run('fast_{i}', 0.3)\n" for i in range(6)))
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-n", "2", "-q", "-p", "tests.isolation",
+        [sys.executable, "-m", "pytest", "-n", "3", "-q", "-p", "tests.isolation",
          "-p", "no:django", "-p", "no:cacheprovider", "."],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
-        env=subprocess_env(PYTHONPATH=f"{ROOT}:{tmp_path}"))
+        env={k: v for k, v in subprocess_env(PYTHONPATH=f"{ROOT}:{tmp_path}").items()
+             if k != "VLLM_CPU_OMP_THREADS_BIND"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    ran = dict(line.split() for line in (tmp_path / "ran.txt").read_text().splitlines())
-    engine = {ran[t] for t in ("engine_1", "engine_module_fast", "engine_2", "pinned_hog")}
-    assert len(engine) == 1, ran
-    fast = {ran[f"fast_{i}"] for i in range(6)}
-    assert fast - engine, ran   # the other worker ran fast tests beside the engine ones
+    ran = {}
+    for line in (tmp_path / "ran.txt").read_text().splitlines():
+        name, worker, bind, start, end = line.split()
+        ran[name] = (worker, bind, float(start), float(end))
+    lane_0 = {ran[t][0] for t in ("engine_1", "engine_module_fast", "engine_2", "pinned_hog")}
+    lane_1 = {ran[t][0] for t in ("lane_1_a", "lane_1_b")}
+    fast = {ran[f"fast_{i}"][0] for i in range(6)}
+    assert len(lane_0) == len(lane_1) == 1 and lane_0 != lane_1, ran
+    assert fast - lane_0 - lane_1, ran   # the third worker ran fast tests beside the lanes
+    # core 1's lane pins its engines there (vLLM's setting); core 0's leaves vLLM's choice
+    two_cores = 1 in os.sched_getaffinity(0)
+    assert {ran[t][1] for t in ("lane_1_a", "lane_1_b")} == {"1" if two_cores else "-"}
+    assert {ran[t][1] for t in ("engine_1", "engine_2", "fast_0")} == {"-"}
+    # the quiet test came last in its lane and overlapped no other test
+    _, _, hog_start, hog_end = ran["pinned_hog"]
+    assert all(end <= hog_start for name, (w, _, _, end) in ran.items()
+               if w == ran["pinned_hog"][0] and name != "pinned_hog"), ran
+    assert not [name for name, (_, _, start, end) in ran.items()
+                if name != "pinned_hog" and start < hog_end and end > hog_start], ran
     # a module whose markers the scheduler's rule cannot see is named
     (tmp_path / "test_hidden.py").write_text(textwrap.dedent("""\
         import pytest
@@ -181,7 +211,7 @@ def test_in_parallel_one_worker_runs_every_engine_test_while_the_other_runs_the_
             def test_engine_in_a_class(self): pass
     """))
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-n", "2", "-q", "-p", "tests.isolation",
+        [sys.executable, "-m", "pytest", "-n", "3", "-q", "-p", "tests.isolation",
          "-p", "no:django", "-p", "no:cacheprovider", "."],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
         env=subprocess_env(PYTHONPATH=f"{ROOT}:{tmp_path}"))

@@ -1,4 +1,5 @@
-"""Outages mid-run, on real services (the two that measure are marked vllm): a PostgreSQL of the test's own (initdb, pg_ctl in a
+"""Outages mid-run, on real services (the two that measure are marked vllm, in the engine
+lane of core 1): a PostgreSQL of the test's own (initdb, pg_ctl in a
 temporary folder) stopped in the middle of a real vLLM measurement and started again. The run
 finishes once with every cell once, nothing restarted; while the database is away the pages
 answer 503 with a short page and the API 503 in its error shape."""
@@ -85,7 +86,8 @@ spec = ProtocolSpec(slug="outage", version=1, target=target.slug,
                     target_sha256=target.weights_sha256, engine="vllm", hardware="cpu",
                     tasks=(TaskSpec("qa", "qa", qa.source_sha256, 4),), temperatures=(0.0,),
                     max_new_tokens=48, seed=0, batch_sizes=(1, 2, 4), ks=(2,),
-                    warmup_requests=1, repetitions=2, baseline="shared")
+                    warmup_requests=1, repetitions=2, baseline="shared",
+                    max_loaded_remeasures=0)
 setup.ensure_protocol(spec, target)
 """
 
@@ -100,7 +102,7 @@ import json; print("PROBE" + json.dumps(out))
 """
 
 
-@pytest.mark.vllm
+@pytest.mark.vllm(core=1)
 def test_a_database_outage_mid_run_loses_and_doubles_no_cell(tmp_path, demo_target_dir,
                                                             prompt_files):
     pg = OwnPostgres()
@@ -212,7 +214,7 @@ class OwnRedis:
             self.proc.wait(timeout=30)
 
 
-@pytest.mark.vllm
+@pytest.mark.vllm(core=1)
 @pytest.mark.django_db(transaction=True)
 def test_a_broker_restart_mid_run_loses_no_message_and_finishes_each_run_once(
         tmp_path, demo_target_dir, prompt_files, celery_worker_factory):
