@@ -84,8 +84,11 @@ def engine(demo_target_dir, one_torch_thread):
     return ReferenceEngine(demo_target_dir)
 
 
+POOL_KEY = pytest.StashKey["EnginePool"]()
+
+
 @pytest.fixture(scope="session")
-def engine_pool():
+def engine_pool(request):
     """vLLM engines shared by the engine tests that measure in this process
     (worker.engines.pool): an engine started with the same arguments, drafter and
     environment as one an earlier test gave back is reused instead of started again (the
@@ -93,8 +96,20 @@ def engine_pool():
     from worker.engines.pool import EnginePool
 
     pool = EnginePool()
+    request.session.stash[POOL_KEY] = pool
     yield pool
     pool.close()
+
+
+@pytest.fixture
+def no_engine_in_this_tree(request):
+    """No started engine in this test process: the session's pool (if any) shuts its idle
+    engines down, whose pinned threads would be this process tree's. For the host-load
+    tests that read the tree's pinned threads; the quiet ones run after the engine tests of
+    their lane (tests/isolation.py)."""
+    pool = request.session.stash.get(POOL_KEY, None)
+    if pool is not None:
+        pool.shutdown_idle()
 
 
 @pytest.fixture(scope="session")

@@ -255,11 +255,16 @@ def pytest_configure(config):
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     # trylast: after pytest's own reordering by fixture scope; sorted() is stable. Quiet
-    # tests last: by then the other lanes are ending, and no engine of their own lane is
-    # being started.
+    # tests last, when the other lanes are ending; among them those that start engines
+    # first, so that the rest can shut the lane's idle engines down (conftest's
+    # no_engine_in_this_tree) and find no thread of the tree pinned.
     slowest = _slowest(items)
-    items[:] = sorted(items, key=lambda item: (
-        item.get_closest_marker(QUIET_MARKER) is not None, slowest[_module(item)]))
+
+    def order(item):
+        quiet = item.get_closest_marker(QUIET_MARKER) is not None
+        return (quiet, -slowest[_module(item)] if quiet else slowest[_module(item)])
+
+    items[:] = sorted(items, key=order)
 
 
 def pytest_unconfigure(config):

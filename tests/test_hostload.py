@@ -12,7 +12,9 @@ import pytest
 
 from worker.hostload import LOADED_CORES, HostLoadSampler
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="Linux /proc only")
+pytestmark = [pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="Linux /proc only"),
+              # the tree's pinned threads are read: no idle engine of the pool among them
+              pytest.mark.usefixtures("no_engine_in_this_tree")]
 
 TOLERANCE_S = 0.15   # scheduler-tick sampling of /proc times, over a ~1 s interval
 

@@ -64,6 +64,12 @@ class EnginePool:
             _, oldest = self._idle.popitem(last=False)
             oldest.shutdown()
 
+    def shutdown_idle(self):
+        """Shut down the idle engines; the pool stays usable (it starts new ones)."""
+        while self._idle:
+            _, engine = self._idle.popitem()
+            engine.shutdown()
+
     def close(self):
         while self._idle:
             _, engine = self._idle.popitem()
