@@ -109,8 +109,9 @@ def test_stop_without_start_is_zero():
 # ------------------------------------------------------------ the engine's own cores
 
 # The tests below pin busy loops to core 0, the one vLLM pins its engine to: marked
-# engine_core, they run in the engine lane (tests/isolation.py), never beside an engine that
-# would take the core from them.
+# engine_core, they run last in the core-0 engine lane and quiet (tests/isolation.py), never
+# beside an engine that would take the core from them, with the lane's idle engines shut
+# down (their pinned threads would be this tree's).
 needs_two_cores = pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
     reason="pinning needs at least two cores")
