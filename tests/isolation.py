@@ -27,14 +27,15 @@ session owns its world, and the fast tests run first.
   (``pytest_xdist_make_scheduler``). An engine start is mostly Python imports in three
   processes (about 30 s on the 2-core machine) and a lane is mostly engine starts, so two
   lanes fill both cores where one left the second core idle. Modules marked ``engine_core``
-  (tests that pin a busy loop to core 0 and need it to get that core) join the core-0 lane
-  and run first in it, before its first engine starts. Each worker is a session of its own:
-  its own var/, test database (``_gw0`` ... ``_gw2``) and broker key prefix.
-- A test marked ``quiet`` (one that asserts that nothing else loaded the machine while it
-  measured) waits until no other test of the session runs and holds the others back while
-  it runs: every test holds a shared lock, a quiet one the exclusive lock, with a gate that
-  lets it in ahead of the tests still queued (``QuietLock``; ``SPECBOARD_TEST_LOCK_DIR``,
-  made by the controller for all its workers). Quiet tests run last in their lane.
+  join the core-0 lane. Each worker is a session of its own: its own var/, test database
+  (``_gw0`` ... ``_gw2``) and broker key prefix.
+- Tests marked ``engine_core`` (a busy loop pinned to the engine's core, or a run that must
+  come out unloaded) are *quiet*: such a test waits until no other test of the session
+  runs and holds the others back while it runs. Every test holds a lock shared, a quiet one
+  exclusively, with a gate that lets it in ahead of the tests still queued (``QuietLock``;
+  its files in ``SPECBOARD_TEST_LOCK_DIR``, a folder the controller makes for its workers).
+  Quiet tests run last in their lane, those that start engines first, so that the others
+  find the lane's idle engines shut down (tests/conftest.py ``no_engine_in_this_tree``).
 """
 import contextlib
 import fcntl
@@ -89,10 +90,8 @@ def pytest_report_header(config):
 # The engine lanes: a module's engine tests run in the lane of the core its marker names
 # (``pytest.mark.vllm``: core 0; ``pytest.mark.vllm(core=1)``: core 1).
 ENGINE_UNIT = "engine-core{}"
-# The markers that put a module in an engine lane: engine tests, and tests that need the
-# engine's core to themselves (those join the core-0 lane).
-ENGINE_UNIT_MARKERS = ("vllm", "engine_core")
-# A top-level test decorated with one, or a module-wide pytestmark naming one.
+# A module is in an engine lane when a top-level test is decorated with ``vllm`` or
+# ``engine_core`` (the latter join the core-0 lane), or a module-wide pytestmark names one.
 ENGINE_MARK = re.compile(r"^(@pytest\.mark\.(vllm|engine_core)\b"
                          r"|pytestmark\b.*\bmark\.(vllm|engine_core)\b)", re.M)
 ENGINE_CORE_ARG = re.compile(r"\bmark\.vllm\(\s*core\s*=\s*(\d+)\s*\)")
