@@ -84,11 +84,8 @@ def engine(demo_target_dir, one_torch_thread):
     return ReferenceEngine(demo_target_dir)
 
 
-POOL_KEY = pytest.StashKey["EnginePool"]()
-
-
 @pytest.fixture(scope="session")
-def engine_pool(request):
+def engine_pool():
     """vLLM engines shared by the engine tests that measure in this process
     (worker.engines.pool): an engine started with the same arguments, drafter and
     environment as one an earlier test gave back is reused instead of started again (the
@@ -96,20 +93,23 @@ def engine_pool(request):
     from worker.engines.pool import EnginePool
 
     pool = EnginePool()
-    request.session.stash[POOL_KEY] = pool
     yield pool
     pool.close()
 
 
 @pytest.fixture
-def no_engine_in_this_tree(request):
-    """No started engine in this test process: the session's pool (if any) shuts its idle
-    engines down, whose pinned threads would be this process tree's. For the host-load
-    tests that read the tree's pinned threads; the quiet ones run after the engine tests of
-    their lane (tests/isolation.py)."""
-    pool = request.session.stash.get(POOL_KEY, None)
-    if pool is not None:
-        pool.shutdown_idle()
+def no_engine_in_this_tree(engine_pool):
+    """No started engine in this test process: the session's pool shuts its idle engines
+    down, whose pinned threads would be this process tree's. For the host-load tests that
+    read the tree's pinned threads; the quiet ones run after the engine tests of their lane
+    (tests/isolation.py)."""
+    engine_pool.shutdown_idle()
+
+
+# The suite's protocols keep a loaded pass, marked, instead of measuring it again: the
+# suite's other lanes load the machine by design (tests/isolation.py). The hog test in
+# tests/test_vllm_measure.py measures the remeasure rule itself.
+LOADED_PASSES_KEPT = {"max_loaded_remeasures": 0}
 
 
 @pytest.fixture(scope="session")

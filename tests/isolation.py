@@ -239,11 +239,12 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_configure(config):
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    worker = hasattr(config, "workerinput")   # an xdist worker (the controller has none)
+    if worker:
         config.pluginmanager.register(_EngineModulesAgree(), "specboard-engine-modules")
     # An xdist worker shares its controller's lock folder; any other session (the
     # controller, a session without workers, a pytest that a test starts) makes its own.
-    folder = os.environ.get(LOCK_DIR_ENV) if hasattr(config, "workerinput") else None
+    folder = os.environ.get(LOCK_DIR_ENV) if worker else None
     if not folder:
         folder = tempfile.mkdtemp(prefix="specboard-test-locks-")
         os.environ[LOCK_DIR_ENV] = folder

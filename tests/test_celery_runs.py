@@ -9,7 +9,7 @@ from leaderboard.services import runs, setup
 from leaderboard.models import Drafter, Result, Run
 from worker.protocol import ProtocolSpec, TaskSpec
 
-from .conftest import purge_queue
+from .conftest import LOADED_PASSES_KEPT, purge_queue
 
 # Core 1: the second engine lane (tests/isolation.py); the Celery workers and commands these
 # tests start inherit its VLLM_CPU_OMP_THREADS_BIND.
@@ -28,10 +28,7 @@ def tiny_protocol(target_dir, prompt_files, slug="tiny", batch_sizes=(1, 2), pro
         tasks=(TaskSpec("qa", "qa", qa.source_sha256, prompts),
                TaskSpec("code", "eagle-humaneval", code.source_sha256, prompts)),
         temperatures=(0.0,), max_new_tokens=max_new_tokens, seed=0, batch_sizes=batch_sizes, ks=(3,),
-        warmup_requests=1, baseline=baseline, repetitions=repetitions,
-        # the suite's other lanes load the machine by design: a loaded pass is marked,
-        # not measured again (tests/test_vllm_measure.py's hog test measures that)
-        max_loaded_remeasures=0)
+        warmup_requests=1, baseline=baseline, repetitions=repetitions, **LOADED_PASSES_KEPT)
     protocol, _ = setup.ensure_protocol(spec, target)
     ngram = Drafter.objects.create(slug="ngram", name="n-gram", method="ngram", target=target,
                                    params={"prompt_lookup_min": 1, "prompt_lookup_max": 3})

@@ -16,6 +16,8 @@ import pytest
 
 from worker.processes import stop_process_group
 
+from .conftest import LOADED_PASSES_KEPT
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -87,7 +89,7 @@ spec = ProtocolSpec(slug="outage", version=1, target=target.slug,
                     tasks=(TaskSpec("qa", "qa", qa.source_sha256, 4),), temperatures=(0.0,),
                     max_new_tokens=48, seed=0, batch_sizes=(1, 2, 4), ks=(2,),
                     warmup_requests=1, repetitions=2, baseline="shared",
-                    max_loaded_remeasures=0)
+                    **{loaded_passes_kept!r})
 setup.ensure_protocol(spec, target)
 """
 
@@ -121,7 +123,8 @@ def test_a_database_outage_mid_run_loses_and_doubles_no_cell(tmp_path, demo_targ
 
         manage("migrate", "--noinput")
         manage("shell", "-c", SETUP.format(target=str(demo_target_dir),
-                                           prompts=str(prompt_files / "mt_bench.jsonl")))
+                                           prompts=str(prompt_files / "mt_bench.jsonl"),
+                                           loaded_passes_kept=LOADED_PASSES_KEPT))
         log = open(tmp_path / "measure.log", "w")
         measuring = subprocess.Popen(
             [sys.executable, "manage.py", "measure", "baseline", "--protocol", "outage", "--sync"],

@@ -30,6 +30,7 @@ from worker.prompts import file_sha256
 from worker import hub
 
 from . import published_formats as pf
+from .conftest import LOADED_PASSES_KEPT
 from .test_hub import standin  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.vllm
@@ -48,10 +49,7 @@ def protocol_file(tmp_path_factory, prompt_files):
         tasks=(TaskSpec("mt_bench", "set-mt_bench",
                         file_sha256(prompt_files / "mt_bench_spec.jsonl"), 3),),
         temperatures=(0.0,), max_new_tokens=32, seed=0, batch_sizes=(1,), ks=(3,),
-        warmup_requests=1, repetitions=1, baseline="shared",
-        # the suite's other lanes load the machine by design: a loaded pass is marked,
-        # not measured again
-        max_loaded_remeasures=0)
+        warmup_requests=1, repetitions=1, baseline="shared", **LOADED_PASSES_KEPT)
     data = spec.to_dict()
     data["prompts"] = {"mt_bench": {"path": str(prompt_files / "mt_bench_spec.jsonl"),
                                     "format": "spec-bench"}}

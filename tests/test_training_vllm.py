@@ -7,6 +7,7 @@ from worker.metrics import lossless_share
 from worker.training import train_recipe
 from worker.training.data import GenerationSettings, generate_conversations
 
+from .conftest import LOADED_PASSES_KEPT
 from .test_vllm_measure import _job, _protocol_file
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_torch_thread")]
@@ -117,8 +118,7 @@ def test_vllm_serves_a_trained_eagle3_head_reading_the_right_layers(
         engine="vllm", hardware="cpu",
         tasks=(TaskSpec("chat", "training-prompts", file_sha256(prompts), len(PROMPTS)),),
         temperatures=(0.0,), max_new_tokens=24, seed=0, batch_sizes=(1,), ks=(3,),
-        warmup_requests=1, repetitions=1, baseline="paired",
-        max_loaded_remeasures=0)   # as test_vllm_measure's protocols: loaded passes marked
+        warmup_requests=1, repetitions=1, baseline="paired", **LOADED_PASSES_KEPT)
     protocol = tmp_path / "protocol.json"
     protocol.write_text(json.dumps({**spec.to_dict(), "prompts": {
         "chat": {"path": str(prompts), "format": "spec-bench"}}}))

@@ -30,6 +30,8 @@ from worker.metrics import counts_from_steps, per_position_acceptance, truncate_
 from worker.prompts import file_sha256
 from worker.protocol import ProtocolSpec, TaskSpec
 
+from .conftest import LOADED_PASSES_KEPT
+
 K = 3
 TASKS = {"code": "humaneval.jsonl", "mt_bench": "mt_bench_spec.jsonl"}
 STRATA = {"mt_bench": ("writing", "roleplay", "reasoning")}
@@ -44,9 +46,7 @@ def _protocol_file(directory, prompt_files, **changes):
                        for task, rel in TASKS.items()),
         "temperatures": (0.0,), "max_new_tokens": 24, "seed": 0, "batch_sizes": (1, 2),
         "ks": (K,), "warmup_requests": 1, "repetitions": 1, "baseline": "shared",
-        # the suite's other lanes load the machine by design: a loaded pass is marked, not
-        # measured again, but in the hog test below
-        "max_loaded_remeasures": 0, **changes})
+        **LOADED_PASSES_KEPT, **changes})
     data = spec.to_dict()
     data["prompts"] = {task: {"path": str(prompt_files / rel), "format": "spec-bench"}
                        for task, rel in TASKS.items()}

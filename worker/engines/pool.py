@@ -68,13 +68,11 @@ class EnginePool:
         """Shut down the idle engines; the pool stays usable (it starts new ones)."""
         while self._idle:
             _, engine = self._idle.popitem()
-            engine.shutdown()
-
-    def close(self):
-        while self._idle:
-            _, engine = self._idle.popitem()
             try:
                 engine.shutdown()
-            except Exception as e:  # noqa: BLE001 - close the others and the loop
+            except Exception as e:  # noqa: BLE001 - shut the others down
                 self.log(f"engine shutdown failed: {e}")
+
+    def close(self):
+        self.shutdown_idle()
         close_event_loop(self.loop)
