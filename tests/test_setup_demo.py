@@ -53,15 +53,15 @@ def test_setup_demo_twice_gives_the_same_rows(demo_target_dir, capsys):
 
 
 @pytest.mark.django_db
-def test_demo_protocol_v4_is_v3_over_two_engine_starts_and_keeps_v1_to_v3(demo_target_dir):
+def test_demo_protocol_v5_is_v4_in_time_slices_and_keeps_v1_to_v4(demo_target_dir):
     from leaderboard.models import Run
     from leaderboard.services import setup
 
     rows = setup.setup_demo(progress=lambda m: None)
-    v4 = rows["protocol"]
-    spec = v4.spec
-    assert (v4.version, spec.baseline, spec.repetitions, spec.engine_starts) == (
-        4, "paired", 2, 2)
+    v5 = rows["protocol"]
+    spec = v5.spec
+    assert (v5.version, spec.baseline, spec.repetitions, spec.engine_starts,
+            spec.interleave_s) == (5, "paired", 2, 2, 2.0)
     assert (spec.target_half_width, spec.max_repetitions, spec.cell_time_budget_s) == (
         0.05, 4, 150.0)
     # each engine start: one pass at least, two at most, half the time budget
@@ -72,12 +72,12 @@ def test_demo_protocol_v4_is_v3_over_two_engine_starts_and_keeps_v1_to_v3(demo_t
     # 24 prompts a task at batch sizes 4 and 8, the first 8 of them at batch size 1
     assert [spec.cell_prompts(t, b) for t in spec.tasks for b in (1, 4, 8)] == [8, 24, 24] * 3
     # every named category is measured, at batch size 1 too (a stratified prefix)
-    chosen = v4.task_prompts()
+    chosen = v5.task_prompts()
     assert {c: len(ids) for c, ids in chosen["chat"]["categories"].items()} == {
         "writing": 6, "roleplay": 6, "humanities": 6, "stem": 6}
     assert {c: len(ids) for c, ids in chosen["math-reasoning"]["categories"].items()} == {
         "math": 8, "reasoning": 8, "extraction": 8}
-    first8 = [p.category for p in v4.prompts_of_task(spec.tasks[0])][:8]
+    first8 = [p.category for p in v5.prompts_of_task(spec.tasks[0])][:8]
     assert set(first8) == {"writing", "roleplay", "humanities", "stem"}
     queued = setup.queue_demo_runs(rows)
     # no separate baseline (paired); the n-gram run first, then the shipped drafters'
@@ -85,22 +85,28 @@ def test_demo_protocol_v4_is_v3_over_two_engine_starts_and_keeps_v1_to_v3(demo_t
     assert queued[0].drafter.method == "ngram"
     # its progress counts every cell once per engine start
     assert queued[0].cells_total == 2 * len(spec.run_cells("ngram"))
-    assert not Run.objects.filter(protocol=v4, drafter__isnull=True).exists()
-    # existing v1 to v3 stay as they were
+    assert not Run.objects.filter(protocol=v5, drafter__isnull=True).exists()
+    # existing v1 to v4 stay as they were
     v1, _ = setup.ensure_protocol(
         setup.demo_protocol_spec_v1(rows["target"], rows["prompt_sets"]), rows["target"])
     v2, _ = setup.ensure_protocol(
         setup.demo_protocol_spec_v2(rows["target"], rows["prompt_sets"]), rows["target"])
     v3, _ = setup.ensure_protocol(
         setup.demo_protocol_spec_v3(rows["target"], rows["prompt_sets"]), rows["target"])
+    v4, _ = setup.ensure_protocol(
+        setup.demo_protocol_spec_v4(rows["target"], rows["prompt_sets"]), rows["target"])
     assert (v1.version, v1.spec.baseline, v1.spec.repetitions) == (1, "shared", 1)
     assert (v2.version, v2.spec.repetitions, v2.spec.tasks[0].prompts) == (2, 3, 8)
     assert not v2.spec.adaptive and "target_half_width" not in v2.spec_json
     assert (v3.version, v3.spec.starts) == (3, 1) and "engine_starts" not in v3.spec_json
     assert {k: v for k, v in v3.spec_json.items() if k != "version"} == {
         k: v for k, v in v4.spec_json.items() if k not in ("version", "engine_starts")}
-    assert setup.setup_demo(progress=lambda m: None)["protocol"].pk == v4.pk
-    assert Protocol.objects.filter(slug=v4.slug).count() == 4
+    assert (v4.version, v4.spec.interleave_s) == (4, None)
+    assert "interleave_s" not in v4.spec_json
+    assert {k: v for k, v in v4.spec_json.items() if k != "version"} == {
+        k: v for k, v in v5.spec_json.items() if k not in ("version", "interleave_s")}
+    assert setup.setup_demo(progress=lambda m: None)["protocol"].pk == v5.pk
+    assert Protocol.objects.filter(slug=v5.slug).count() == 5
 
 
 @pytest.mark.django_db

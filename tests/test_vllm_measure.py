@@ -18,6 +18,7 @@ import json
 import math
 import os
 import shutil
+import time
 
 import pytest
 
@@ -624,3 +625,36 @@ def test_a_protocol_with_two_engine_starts_splits_every_cells_passes_between_the
     base, ngram = cells[2], cells[3]
     assert intervals.pairs(ngram.records, base.records) is not None
     assert cells[0].records == [r for r in base.records if r["engine_start"] == 0]
+
+
+@pytest.mark.vllm
+def test_a_sliced_protocol_measures_its_engines_in_turns_on_the_real_engine(
+        tmp_path, prompt_files, demo_target_dir, engine_pool):
+    """Protocol v5 (interleave_s): the baseline and the n-gram engine compute in turns of a
+    fraction of a second, the other paused with its requests kept (vLLM's pause_generation,
+    mode "keep"). Each cell still gets every prompt once, with the same greedy tokens as
+    the other; its speculation counts match vLLM's own counters (the cell's checks); each
+    request's latency fits in its cell's wall time, which counts its engine's turns only."""
+    from worker import intervals
+
+    tasks = (TaskSpec("code", "set-code", file_sha256(prompt_files / TASKS["code"]), 4),)
+    path = _protocol_file(tmp_path, prompt_files, tasks=tasks, batch_sizes=(2,),
+                          baseline="paired", repetitions=1, max_new_tokens=24,
+                          interleave_s=0.3)
+    job = _job(path, demo_target_dir, NGRAM)
+    t0 = time.monotonic()
+    base, ngram = [e for e in iter_cells(job, log=lambda m: None, engine_pool=engine_pool)
+                   if isinstance(e, CellResult)]
+    elapsed = time.monotonic() - t0
+    ids = [p.id for p in job.prompts["code"][:4]]
+    for c in (base, ngram):
+        assert [r["prompt_id"] for r in c.records] == ids
+        assert c.checks["ok"], c.checks["failed"]
+        assert c.checks["max_in_flight"] == 2
+        assert all(0 < r["latency"] <= c.figures["wall_seconds"] for r in c.records)
+    assert {r["prompt_id"]: r["output_token_ids"] for r in base.records} == {
+        r["prompt_id"]: r["output_token_ids"] for r in ngram.records}
+    assert ngram.figures["draft_tokens"] > 0
+    # the two walls are the engines' turns: together less than the time the group took
+    assert base.figures["wall_seconds"] + ngram.figures["wall_seconds"] < elapsed
+    assert intervals.pairs(ngram.records, base.records) is not None

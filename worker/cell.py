@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from worker import metrics
 from worker.metrics import SpecCounts
@@ -222,6 +222,68 @@ async def measure_pass(engine, cell: Cell, spec: ProtocolSpec, prompts: list[Pro
     return PassResult(repetition, meta, results, wall, max_in_flight, counts, load,
                       getattr(sampler, "engine_core_load", None),
                       tuple(sorted(cores)) if cores else None)
+
+
+# --------------------------------------------------------------------------- time slices
+
+def overlap(start: float, end: float, turns) -> float:
+    """Seconds of [start, end] inside the turns [(t0, t1), ...] (disjoint)."""
+    return sum(max(0.0, min(end, t1) - max(start, t0)) for t0, t1 in turns)
+
+
+def in_turns(p: PassResult, turns) -> PassResult:
+    """A pass measured in time slices with its clock kept to its engine's turns: the wall
+    time is the part of the pass (first request sent to last one ended) in the turns, each
+    request's latency and TTFT the part of them in the turns (between turns a request
+    waits, paused, while the other engines compute)."""
+    results, span = [], (None, None)
+    for r in p.results:
+        end = r.submitted + r.latency
+        span = (r.submitted if span[0] is None else min(span[0], r.submitted),
+                end if span[1] is None else max(span[1], end))
+        results.append(replace(
+            r, latency=overlap(r.submitted, end, turns),
+            ttft=None if r.ttft is None else overlap(r.submitted, r.submitted + r.ttft, turns)))
+    wall = overlap(*span, turns) if results else 0.0
+    return replace(p, results=results, wall=wall)
+
+
+async def sliced_group_pass(cells: list[Cell], engines: dict, measure, turn_s: float) -> dict:
+    """One pass of every cell of a group in time slices (ProtocolSpec.interleave_s). Every
+    engine is paused (requests kept: VllmEngine.pause), each cell's pass is sent at once
+    (``measure(cell)``, a measure_pass coroutine), then the engines compute in turns of
+    ``turn_s`` seconds in the group's order, one at a time, until every pass has ended; a
+    cell whose pass ended leaves the rotation. Returns {cell: in_turns(its pass)}; every
+    engine is running again afterwards."""
+    for cell in cells:
+        await engines[cell].pause()
+    tasks = {cell: asyncio.ensure_future(measure(cell)) for cell in cells}
+    turns = {cell: [] for cell in cells}
+    done = False
+    try:
+        turn = 0
+        while not all(t.done() for t in tasks.values()):
+            cell = cells[turn % len(cells)]
+            turn += 1
+            if tasks[cell].done():
+                continue
+            await engines[cell].resume()
+            t0 = time.perf_counter()
+            await asyncio.wait([tasks[cell]], timeout=turn_s)
+            await engines[cell].pause()
+            turns[cell].append((t0, time.perf_counter()))
+        done = True
+    finally:
+        if not done:
+            for t in tasks.values():
+                t.cancel()
+        for cell in cells:
+            try:
+                await engines[cell].resume()
+            except Exception:
+                if done:
+                    raise
+    return {cell: in_turns(tasks[cell].result(), turns[cell]) for cell in cells}
 
 
 # --------------------------------------------------------------------------- the cell

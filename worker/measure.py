@@ -28,6 +28,11 @@ How a run is measured
   Otherwise (the baseline's own run, or a drafter under a shared baseline) a group is one
   cell, measured with all its passes on its k's engine; engines are started k by k, as in
   protocol v1. ``measurement_order`` gives the cells in the order they are yielded.
+- Time slices (a protocol with ``interleave_s``, version 5): a group-pass sends every cell's
+  pass at once and its engines compute in turns of that many seconds, the others paused
+  with their requests kept (worker.cell.sliced_group_pass); a cell's times count its
+  engine's turns only. A slowdown of the machine lasting more than a few turns then falls
+  on every side of the ratio, and no engine drains between turns.
 - A group's cells are yielded when its last pass ends (baseline first). On resume a group
   with any cell not in ``job.skip`` is measured again whole and all its cells are yielded
   (a drafter cell always divides by the baseline passes measured beside it).
@@ -62,7 +67,7 @@ from pathlib import Path
 from typing import Iterator
 
 from worker.cell import (FIGURE_KEYS, CellResult, PromptItem, cell_result,  # noqa: F401
-                         measure_pass, pass_records, request_seed, request_spec_counts,
+                         measure_pass, sliced_group_pass, pass_records, request_seed, request_spec_counts,
                          run_concurrent)
 from worker.methods import (check_supported, drafter_engine_args, speculative_config,
                             synthetic_acceptance_config, validate_drafter_files)
@@ -413,9 +418,11 @@ def _group_name(group) -> str:
 
 def measure_group(group: list[Cell], spec: ProtocolSpec, measure, records_of, log=print,
                   clock=time.monotonic, between_run_variance: float | None = None,
-                  earlier: GroupPasses | None = None) -> GroupPasses:
+                  earlier: GroupPasses | None = None, measure_together=None) -> GroupPasses:
     """The passes of one group. ``measure(cell, repetition) -> PassResult`` measures one
     pass; ``records_of(cell, pass) -> [records]`` gives its per-request records.
+    ``measure_together(group, repetition) -> {cell: PassResult}``, when given, measures a
+    group-pass instead, its cells' passes side by side (time slices: interleave_s).
 
     A group-pass is pass r of every cell of the group, in the group's order. When any of
     its passes was loaded (``PassResult.loaded``: worker.hostload), the whole group-pass is
@@ -439,7 +446,8 @@ def measure_group(group: list[Cell], spec: ProtocolSpec, measure, records_of, lo
     again, kept_s, t0 = 0, [], clock()
     while True:
         rep, t_pass = len(passes[group[0]]), clock()
-        results = {cell: measure(cell, rep) for cell in group}
+        results = (measure_together(group, rep) if measure_together else
+                   {cell: measure(cell, rep) for cell in group})
         loaded = [(cell, p) for cell, p in results.items() if p.loaded]
         if loaded and again < limit:
             again += 1
@@ -499,16 +507,27 @@ def _measure_groups(job, info, groups, log, pool=None):
                 alive = engines.need(sorted(_speculative_configs(job)) if is_paired(job)
                                      else [group[0].k])
 
-                def measure(cell, rep, alive=alive, start=start):
-                    return replace(loop.run_until_complete(measure_pass(
-                        alive[cell.k], cell, spec, cell_prompts(cell), prompt_ids[cell.task],
-                        rep, cell.k > 0, _sampler(spec.hardware))), engine_start=start)
+                def one_pass(cell, rep, alive=alive):
+                    return measure_pass(alive[cell.k], cell, spec, cell_prompts(cell),
+                                        prompt_ids[cell.task], rep, cell.k > 0,
+                                        _sampler(spec.hardware))
+
+                def measure(cell, rep, start=start):
+                    return replace(loop.run_until_complete(one_pass(cell, rep)),
+                                   engine_start=start)
+
+                def sliced(cells, rep, alive=alive, start=start):
+                    passes = loop.run_until_complete(sliced_group_pass(
+                        cells, {c: alive[c.k] for c in cells}, lambda c: one_pass(c, rep),
+                        spec.interleave_s))
+                    return {c: replace(p, engine_start=start) for c, p in passes.items()}
 
                 measured = earlier[index] = measure_group(
                     group, per_start, measure,
                     lambda cell, p: pass_records(cell, p, eos_ids, cell.k > 0), log,
                     between_run_variance=job.between_run_variance,
-                    earlier=earlier.get(index))
+                    earlier=earlier.get(index),
+                    measure_together=sliced if spec.interleave_s and len(group) > 1 else None)
                 for cell in group:
                     engine = alive[cell.k]
                     actual = getattr(engine, "prefix_caching", None)

@@ -140,6 +140,17 @@ class ProtocolSpec:
     # ``cell_time_budget_s`` count a cell's passes and seconds over all its starts and are
     # split evenly between them (``per_start``). Unset: one start (every earlier version).
     engine_starts: int | None = None
+    # Version 5 (left out of the JSON when unset): the engines of a group take turns of this
+    # many seconds inside every group-pass (time slices), instead of measuring each cell's
+    # whole pass in turn. Every cell's pass is sent at once; one engine computes while the
+    # others are paused with their requests kept (vLLM's pause_generation, mode "keep"),
+    # so each engine keeps b requests in flight and never drains between turns. A slowdown
+    # of the machine that lasts longer than a few turns (another tenant of the host) then
+    # falls on the baseline and the drafters alike and cancels in their ratio, where whole
+    # passes (a minute each) caught it on one side. A cell's wall time, and each request's
+    # latency and TTFT, count only its engine's turns (worker.cell.sliced_group_pass).
+    # Unset: whole passes (every earlier version).
+    interleave_s: float | None = None
 
     def __post_init__(self):
         problems = []
@@ -204,6 +215,10 @@ class ProtocolSpec:
         elif m is not None and self.repetitions < m:
             problems.append(f"repetitions ({self.repetitions}) must be at least engine_starts "
                             f"({m}): every engine start measures at least one pass")
+        turn = self.interleave_s
+        if turn is not None and (isinstance(turn, bool) or not isinstance(turn, (int, float))
+                                 or not 0 < turn <= 600):
+            problems.append("interleave_s must be a number of seconds above 0, at most 600")
         for b, n in self.prompts_by_batch_size.items():
             if b not in self.batch_sizes:
                 problems.append(f"prompts_by_batch_size names batch size {b}, not one of the "
@@ -288,6 +303,8 @@ class ProtocolSpec:
             **({"engine_version": self.engine_version} if self.engine_version else {}),
             # Version 4: only when set.
             **({"engine_starts": self.engine_starts} if self.engine_starts else {}),
+            # Version 5: only when set.
+            **({"interleave_s": float(self.interleave_s)} if self.interleave_s else {}),
         }
 
     @classmethod

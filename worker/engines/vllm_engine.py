@@ -182,6 +182,7 @@ class RequestResult:
     finish_reason: str | None
     step_tokens: list[int] = field(default_factory=list)   # tokens delivered per engine step
     spec_metrics: dict | None = None                        # vLLM's per-request metrics
+    submitted: float | None = None   # time.perf_counter() when the request was sent
 
 
 class OutputTail:
@@ -415,7 +416,25 @@ class VllmEngine:
                 spec_metrics = sdm.to_dict() if sdm is not None else None
         latency = time.perf_counter() - t0
         return RequestResult(request_id, tokens, len(prompt_token_ids), ttft, latency, finish,
-                             self._steps.pop(request_id, []), spec_metrics)
+                             self._steps.pop(request_id, []), spec_metrics, submitted=t0)
+
+    async def pause(self):
+        """Stop scheduling: the step under way ends, the requests in flight are kept with
+        their KV cache, new ones wait (vLLM's pause_generation, mode "keep"). For time
+        slices between engines (ProtocolSpec.interleave_s)."""
+        import inspect
+
+        pause = getattr(self.llm, "pause_generation", None)
+        if pause is None or "mode" not in inspect.signature(pause).parameters:
+            raise RuntimeError(
+                f"vLLM {package_versions()['vllm']} cannot pause an engine and keep its "
+                f"requests (AsyncLLM.pause_generation(mode='keep')): a protocol with time "
+                f"slices (interleave_s) needs a vLLM that can")
+        await pause(mode="keep", clear_cache=False)
+
+    async def resume(self):
+        """Schedule again after :meth:`pause`, the kept requests where they stopped."""
+        await self.llm.resume_generation()
 
     def spec_counts(self) -> SpecCounts:
         """This engine's cumulative speculation counters now (a copy)."""
