@@ -67,8 +67,8 @@ from pathlib import Path
 from typing import Iterator
 
 from worker.cell import (FIGURE_KEYS, CellResult, PromptItem, cell_result,  # noqa: F401
-                         measure_pass, sliced_group_pass, pass_records, request_seed, request_spec_counts,
-                         run_concurrent)
+                         measure_pass, pass_records, request_seed, request_spec_counts,
+                         run_concurrent, sliced_group_pass)
 from worker.methods import (check_supported, drafter_engine_args, speculative_config,
                             synthetic_acceptance_config, validate_drafter_files)
 from worker.protocol import MULTI_TURN_FIRST_TURN, Cell, ProtocolSpec, cell_key
