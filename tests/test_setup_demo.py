@@ -107,6 +107,14 @@ def test_demo_protocol_v5_is_v4_in_time_slices_and_keeps_v1_to_v4(demo_target_di
         k: v for k, v in v5.spec_json.items() if k not in ("version", "interleave_s")}
     assert setup.setup_demo(progress=lambda m: None)["protocol"].pk == v5.pk
     assert Protocol.objects.filter(slug=v5.slug).count() == 5
+    # the protocol pages say how a group-pass is measured
+    from django.test import Client
+    from django.urls import reverse
+
+    pages = {p.version: Client().get(reverse("protocol", args=[p.slug, p.version])).content
+             .decode() for p in (v4, v5)}
+    assert 'id="interleave-s"' in pages[5] and "turns of <b>2.0 s</b>" in pages[5]
+    assert 'id="interleave-s"' not in pages[4] and 'id="engine-starts"' in pages[4]
 
 
 @pytest.mark.django_db
