@@ -236,15 +236,13 @@ def in_turns(p: PassResult, turns) -> PassResult:
     time is the part of the pass (first request sent to last one ended) in the turns, each
     request's latency and TTFT the part of them in the turns (between turns a request
     waits, paused, while the other engines compute)."""
-    results, span = [], (None, None)
-    for r in p.results:
-        end = r.submitted + r.latency
-        span = (r.submitted if span[0] is None else min(span[0], r.submitted),
-                end if span[1] is None else max(span[1], end))
-        results.append(replace(
-            r, latency=overlap(r.submitted, end, turns),
-            ttft=None if r.ttft is None else overlap(r.submitted, r.submitted + r.ttft, turns)))
-    wall = overlap(*span, turns) if results else 0.0
+    results = [replace(
+        r, latency=overlap(r.submitted, r.submitted + r.latency, turns),
+        ttft=None if r.ttft is None else overlap(r.submitted, r.submitted + r.ttft, turns))
+        for r in p.results]
+    wall = (overlap(min(r.submitted for r in p.results),
+                    max(r.submitted + r.latency for r in p.results), turns)
+            if p.results else 0.0)
     return replace(p, results=results, wall=wall)
 
 

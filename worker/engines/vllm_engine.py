@@ -327,6 +327,7 @@ class VllmEngine:
         self._counts = SpecCounts()
         self.core_pids: list[int] = []     # the engine core process(es) this start spawned
         self.prefix_caching: bool | None = None   # as the running engine is configured
+        self._pause_keeps: bool | None = None     # pause_generation(mode="keep") exists
 
     def all_args(self) -> dict:
         args = dict(self.engine_args, speculative_config=self.speculative_config)
@@ -422,10 +423,13 @@ class VllmEngine:
         """Stop scheduling: the step under way ends, the requests in flight are kept with
         their KV cache, new ones wait (vLLM's pause_generation, mode "keep"). For time
         slices between engines (ProtocolSpec.interleave_s)."""
-        import inspect
-
         pause = getattr(self.llm, "pause_generation", None)
-        if pause is None or "mode" not in inspect.signature(pause).parameters:
+        if self._pause_keeps is None:     # once per engine: every turn pauses it
+            import inspect
+
+            self._pause_keeps = (pause is not None
+                                 and "mode" in inspect.signature(pause).parameters)
+        if not self._pause_keeps:
             raise RuntimeError(
                 f"vLLM {package_versions()['vllm']} cannot pause an engine and keep its "
                 f"requests (AsyncLLM.pause_generation(mode='keep')): a protocol with time "
