@@ -533,19 +533,21 @@ def _stop_hog(pid):
 
 @pytest.mark.vllm
 @pytest.mark.engine_core   # quiet: no other test beside it (tests/isolation.py)
+@pytest.mark.parametrize("interleave_s", [None, 0.3], ids=["whole", "time-slices"])
 def test_a_hog_on_the_engines_core_marks_its_passes_loaded_and_they_are_measured_again(
-        tmp_path, prompt_files, demo_target_dir, engine_pool):
+        tmp_path, prompt_files, demo_target_dir, engine_pool, interleave_s):
     """A busy loop pinned to (one of) the engine's cores (outside the measuring tree) from
     the moment both engines are ready until the first loaded pass is reported: the group-pass it
     overlapped is loaded on the engine's core, measured again whole, and the cells' final
     figures are not loaded. Two engines (baseline + k: the pool's, after the n-gram run
-    above), 4 prompts, 16 tokens."""
+    above), 4 prompts, 16 tokens; with whole passes and in time slices (v5: the paused
+    engine's worker, polling on the same core, is the measuring tree's own and not load)."""
     from worker.hostload import ENGINE_CORE_LOADED, tree_engine_cores
 
     tasks = (TaskSpec("code", "set-code", file_sha256(prompt_files / TASKS["code"]), 4),)
     path = _protocol_file(tmp_path, prompt_files, tasks=tasks, batch_sizes=(2,),
                           baseline="paired", repetitions=2, max_new_tokens=16,
-                          max_loaded_remeasures=2)
+                          max_loaded_remeasures=2, interleave_s=interleave_s)
     job = _job(path, demo_target_dir, NGRAM)
     state = {"ready": 0, "hog": None, "cores": None}
     lines = []
