@@ -537,11 +537,12 @@ def _stop_hog(pid):
 def test_a_hog_on_the_engines_core_marks_its_passes_loaded_and_they_are_measured_again(
         tmp_path, prompt_files, demo_target_dir, engine_pool, interleave_s):
     """A busy loop pinned to (one of) the engine's cores (outside the measuring tree) from
-    the moment both engines are ready until the first loaded pass is reported: the group-pass it
-    overlapped is loaded on the engine's core, the whole group-pass is measured again, and
-    the cells' final figures are not loaded. Two engines (baseline + k: the pool's, after the n-gram run
-    above), 4 prompts, 16 tokens; with whole passes and in time slices (v5: the paused
-    engine's worker, polling on the same core, is the measuring tree's own and not load)."""
+    the moment both engines are ready until the first loaded pass is reported: the
+    group-pass it overlapped is loaded on the engine's core, the whole group-pass is
+    measured again, and the cells' final figures are not loaded. Two engines (baseline + k:
+    the pool's, after the n-gram run above), 4 prompts, 16 tokens; with whole passes and in
+    time slices (v5: the paused engine's worker, polling on the same core, is the measuring
+    tree's own and not load)."""
     from worker.hostload import ENGINE_CORE_LOADED, tree_engine_cores
 
     tasks = (TaskSpec("code", "set-code", file_sha256(prompt_files / TASKS["code"]), 4),)
