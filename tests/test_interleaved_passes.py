@@ -56,15 +56,15 @@ class FakeEngine:
     engines computing at each step, so a test can see that turns do not overlap."""
 
     def __init__(self, step_s, running):
-        self.step_s, self.running, self.paused = step_s, running, False
-        self.pauses = 0
+        self.step_s, self.running, self.paused, self.frozen = step_s, running, False, False
+        self.pauses, self.generated_tokens, self.last_token = 0, 0, None
 
-    async def pause(self):
-        self.paused = True
+    async def pause(self, freeze=False):
+        self.paused, self.frozen = True, freeze
         self.pauses += 1
 
     async def resume(self):
-        self.paused = False
+        self.paused = self.frozen = False
 
     async def generate(self, prompt_ids, sampling, request_id):
         t0, tokens, ttft = time.perf_counter(), [], None
@@ -72,14 +72,19 @@ class FakeEngine:
             while self.paused:
                 await asyncio.sleep(0.001)
             self.running.append(frozenset(e for e in FAKES if not e.paused))
+            self.frozen_meanwhile.append(frozenset(e for e in FAKES if e.frozen))
             await asyncio.sleep(self.step_s)
             tokens.append(7)
+            self.generated_tokens += 1
+            self.last_token = time.perf_counter()
             ttft = ttft or time.perf_counter() - t0
         return RequestResult(request_id, tokens, len(prompt_ids), ttft,
                              time.perf_counter() - t0, "length", submitted=t0)
 
     def spec_counts(self):
         return SpecCounts()
+
+    frozen_meanwhile: list = []
 
 
 FAKES = []
@@ -132,3 +137,55 @@ def test_a_failed_pass_leaves_every_engine_running_and_raises():
     with pytest.raises(RuntimeError, match="engine died"):
         asyncio.run(sliced_group_pass(GROUP, engines, measure, 0.01))
     assert all(not e.paused for e in FAKES)
+
+
+def sliced_pass_of_fakes(step_s, fair, turn_s=0.01):
+    """A sliced group-pass of a baseline and a drafter whose steps take ``step_s``."""
+    running = []
+    FAKES[:] = [FakeEngine(step, running) for step in step_s]
+    FakeEngine.frozen_meanwhile = []
+    engines = dict(zip(GROUP, FAKES))
+    s = spec(interleave_s=turn_s, fair_turns=fair or None)
+    prompts = [PromptItem(str(i), ["x"]) for i in range(6)]
+    ids = {p.id: [1, 2, 3] for p in prompts}
+
+    async def run():
+        return await sliced_group_pass(
+            GROUP, engines, lambda c: measure_pass(engines[c], c, s, prompts, ids, 0, False),
+            s.interleave_s, fair=fair)
+
+    return asyncio.run(run()), running
+
+
+def test_fair_turns_end_the_group_passes_together_with_the_others_frozen():
+    # the drafter three times as slow as the baseline (a speedup of 1/3)
+    passes, running = sliced_pass_of_fakes((0.002, 0.006), fair=True)
+    base, drafter = FAKES
+    assert all(len(now) == 1 for now in running)
+    # whoever computes, every other engine is frozen (no CPU for a paused engine's poll)
+    assert all(frozen == frozenset(FAKES) - now
+               for now, frozen in zip(running, FakeEngine.frozen_meanwhile))
+    assert not any(e.frozen or e.paused for e in FAKES)      # running again afterwards
+    # the drafter got about three times the baseline's turns, so the passes ended together:
+    # within a turn or two (10 ms each), where round-robin turns let the drafter compute
+    # alone for about 2/3 of its pass (~100 ms) after the baseline's ended
+    fair_gap = abs(base.last_token - drafter.last_token)
+    assert all(len(p.results) == 6 for p in passes.values())
+    assert 2.0 < passes[GROUP[1]].wall / passes[GROUP[0]].wall < 4.2
+    sliced_pass_of_fakes((0.002, 0.006), fair=False)
+    round_robin_gap = abs(FAKES[0].last_token - FAKES[1].last_token)
+    assert not any(FakeEngine.frozen_meanwhile)               # no freezing without fair turns
+    assert fair_gap < 0.045 < round_robin_gap, (fair_gap, round_robin_gap)
+
+
+def test_fair_turns_are_a_v6_key_that_needs_time_slices():
+    fair = spec(interleave_s=2, fair_turns=True)
+    assert fair.to_dict()["fair_turns"] is True
+    assert "fair_turns" not in spec(interleave_s=2).to_dict()    # v5 hashes unchanged
+    assert fair.family_sha256() != spec(interleave_s=2).family_sha256()
+    assert ProtocolSpec.from_dict(fair.to_dict()) == fair
+    assert fair.per_start().fair_turns is True
+    with pytest.raises(ValueError, match="fair_turns needs interleave_s"):
+        spec(fair_turns=True)
+    with pytest.raises(ValueError, match="fair_turns must be true or false"):
+        spec(interleave_s=2, fair_turns="yes")

@@ -1,5 +1,7 @@
 """worker/processes.py: stop_process_group ends a real process group, grandchildren
 included, escalating to SIGKILL for a member that ignores SIGTERM."""
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -46,6 +48,17 @@ def test_sigterm_ends_the_group_grandchild_included():
     assert stop_process_group(proc, term_timeout=20, kill_timeout=5)
     assert time.monotonic() - started < 10  # no need to wait for SIGKILL
     assert proc.returncode == -15 and not alive(grandchild)
+
+
+def test_a_stopped_member_ends_on_sigterm_too():
+    # an engine frozen out of its turn (fair turns) is a stopped process: SIGTERM alone
+    # would wait until it is continued
+    proc, grandchild = start_group("polite")
+    os.kill(grandchild, signal.SIGSTOP)
+    started = time.monotonic()
+    assert stop_process_group(proc, term_timeout=20, kill_timeout=5)
+    assert time.monotonic() - started < 10  # no need to wait for SIGKILL
+    assert not alive(grandchild)
 
 
 def test_a_member_that_ignores_sigterm_gets_sigkill():

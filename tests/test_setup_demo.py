@@ -53,15 +53,15 @@ def test_setup_demo_twice_gives_the_same_rows(demo_target_dir, capsys):
 
 
 @pytest.mark.django_db
-def test_demo_protocol_v5_is_v4_in_time_slices_and_keeps_v1_to_v4(demo_target_dir):
+def test_demo_protocol_v6_is_v5_with_fair_turns_and_keeps_v1_to_v5(demo_target_dir):
     from leaderboard.models import Run
     from leaderboard.services import setup
 
     rows = setup.setup_demo(progress=lambda m: None)
-    v5 = rows["protocol"]
-    spec = v5.spec
-    assert (v5.version, spec.baseline, spec.repetitions, spec.engine_starts,
-            spec.interleave_s) == (5, "paired", 2, 2, 2.0)
+    v6 = rows["protocol"]
+    spec = v6.spec
+    assert (v6.version, spec.baseline, spec.repetitions, spec.engine_starts,
+            spec.interleave_s, spec.fair_turns) == (6, "paired", 2, 2, 2.0, True)
     assert (spec.target_half_width, spec.max_repetitions, spec.cell_time_budget_s) == (
         0.05, 4, 150.0)
     # each engine start: one pass at least, two at most, half the time budget
@@ -72,12 +72,12 @@ def test_demo_protocol_v5_is_v4_in_time_slices_and_keeps_v1_to_v4(demo_target_di
     # 24 prompts a task at batch sizes 4 and 8, the first 8 of them at batch size 1
     assert [spec.cell_prompts(t, b) for t in spec.tasks for b in (1, 4, 8)] == [8, 24, 24] * 3
     # every named category is measured, at batch size 1 too (a stratified prefix)
-    chosen = v5.task_prompts()
+    chosen = v6.task_prompts()
     assert {c: len(ids) for c, ids in chosen["chat"]["categories"].items()} == {
         "writing": 6, "roleplay": 6, "humanities": 6, "stem": 6}
     assert {c: len(ids) for c, ids in chosen["math-reasoning"]["categories"].items()} == {
         "math": 8, "reasoning": 8, "extraction": 8}
-    first8 = [p.category for p in v5.prompts_of_task(spec.tasks[0])][:8]
+    first8 = [p.category for p in v6.prompts_of_task(spec.tasks[0])][:8]
     assert set(first8) == {"writing", "roleplay", "humanities", "stem"}
     queued = setup.queue_demo_runs(rows)
     # no separate baseline (paired); the n-gram run first, then the shipped drafters'
@@ -85,8 +85,8 @@ def test_demo_protocol_v5_is_v4_in_time_slices_and_keeps_v1_to_v4(demo_target_di
     assert queued[0].drafter.method == "ngram"
     # its progress counts every cell once per engine start
     assert queued[0].cells_total == 2 * len(spec.run_cells("ngram"))
-    assert not Run.objects.filter(protocol=v5, drafter__isnull=True).exists()
-    # existing v1 to v4 stay as they were
+    assert not Run.objects.filter(protocol=v6, drafter__isnull=True).exists()
+    # existing v1 to v5 stay as they were
     v1, _ = setup.ensure_protocol(
         setup.demo_protocol_spec_v1(rows["target"], rows["prompt_sets"]), rows["target"])
     v2, _ = setup.ensure_protocol(
@@ -95,6 +95,8 @@ def test_demo_protocol_v5_is_v4_in_time_slices_and_keeps_v1_to_v4(demo_target_di
         setup.demo_protocol_spec_v3(rows["target"], rows["prompt_sets"]), rows["target"])
     v4, _ = setup.ensure_protocol(
         setup.demo_protocol_spec_v4(rows["target"], rows["prompt_sets"]), rows["target"])
+    v5, _ = setup.ensure_protocol(
+        setup.demo_protocol_spec_v5(rows["target"], rows["prompt_sets"]), rows["target"])
     assert (v1.version, v1.spec.baseline, v1.spec.repetitions) == (1, "shared", 1)
     assert (v2.version, v2.spec.repetitions, v2.spec.tasks[0].prompts) == (2, 3, 8)
     assert not v2.spec.adaptive and "target_half_width" not in v2.spec_json
@@ -105,16 +107,20 @@ def test_demo_protocol_v5_is_v4_in_time_slices_and_keeps_v1_to_v4(demo_target_di
     assert "interleave_s" not in v4.spec_json
     assert {k: v for k, v in v4.spec_json.items() if k != "version"} == {
         k: v for k, v in v5.spec_json.items() if k not in ("version", "interleave_s")}
-    assert setup.setup_demo(progress=lambda m: None)["protocol"].pk == v5.pk
-    assert Protocol.objects.filter(slug=v5.slug).count() == 5
+    assert (v5.version, v5.spec.fair_turns) == (5, None) and "fair_turns" not in v5.spec_json
+    assert {k: v for k, v in v5.spec_json.items() if k != "version"} == {
+        k: v for k, v in v6.spec_json.items() if k not in ("version", "fair_turns")}
+    assert setup.setup_demo(progress=lambda m: None)["protocol"].pk == v6.pk
+    assert Protocol.objects.filter(slug=v6.slug).count() == 6
     # the protocol pages say how a group-pass is measured
     from django.test import Client
     from django.urls import reverse
 
     pages = {p.version: Client().get(reverse("protocol", args=[p.slug, p.version])).content
-             .decode() for p in (v4, v5)}
+             .decode() for p in (v4, v5, v6)}
     assert 'id="interleave-s"' in pages[5] and "turns of <b>2.0 s</b>" in pages[5]
     assert 'id="interleave-s"' not in pages[4] and 'id="engine-starts"' in pages[4]
+    assert 'id="fair-turns"' in pages[6] and 'id="fair-turns"' not in pages[5]
 
 
 @pytest.mark.django_db

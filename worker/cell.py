@@ -246,29 +246,37 @@ def in_turns(p: PassResult, turns) -> PassResult:
     return replace(p, results=results, wall=wall)
 
 
-async def sliced_group_pass(cells: list[Cell], engines: dict, measure, turn_s: float) -> dict:
+async def sliced_group_pass(cells: list[Cell], engines: dict, measure, turn_s: float,
+                            fair: bool = False) -> dict:
     """One pass of every cell of a group in time slices (ProtocolSpec.interleave_s). Every
     engine is paused (requests kept: VllmEngine.pause), each cell's pass is sent at once
     (``measure(cell)``, a measure_pass coroutine), then the engines compute in turns of
-    ``turn_s`` seconds in the group's order, one at a time, until every pass has ended; a
-    cell whose pass ended leaves the rotation. Returns {cell: in_turns(its pass)}; every
-    engine is running again afterwards."""
+    ``turn_s`` seconds, one at a time, until every pass has ended; a cell whose pass ended
+    leaves the rotation. Turns go round in the group's order, or, ``fair``
+    (ProtocolSpec.fair_turns), to the engine whose pass has made the fewest tokens so far
+    (``generated_tokens``), so the passes end together, with the engines out of their turn
+    frozen. Returns {cell: in_turns(its pass)}; every engine is running again afterwards."""
     for cell in cells:
-        await engines[cell].pause()
+        await engines[cell].pause(freeze=fair)
+    made = {cell: engines[cell].generated_tokens for cell in cells} if fair else {}
     tasks = {cell: asyncio.ensure_future(measure(cell)) for cell in cells}
     turns = {cell: [] for cell in cells}
     done = False
     try:
         turn = 0
         while not all(t.done() for t in tasks.values()):
-            cell = cells[turn % len(cells)]
-            turn += 1
-            if tasks[cell].done():
-                continue
+            if fair:
+                cell = min((c for c in cells if not tasks[c].done()),
+                           key=lambda c: engines[c].generated_tokens - made[c])
+            else:
+                cell = cells[turn % len(cells)]
+                turn += 1
+                if tasks[cell].done():
+                    continue
             await engines[cell].resume()
             t0 = time.perf_counter()
             await asyncio.wait([tasks[cell]], timeout=turn_s)
-            await engines[cell].pause()
+            await engines[cell].pause(freeze=fair)
             turns[cell].append((t0, time.perf_counter()))
         done = True
     finally:

@@ -32,7 +32,9 @@ How a run is measured
   pass at once and its engines compute in turns of that many seconds, the others paused
   with their requests kept (worker.cell.sliced_group_pass); a cell's times count its
   engine's turns only. A slowdown of the machine lasting more than a few turns then falls
-  on every side of the ratio, and no engine drains between turns.
+  on every side of the ratio, and no engine drains between turns. With ``fair_turns``
+  (version 6) each turn goes to the engine behind in tokens and the others are frozen, so
+  a group's passes end together and every turn has its core to itself.
 - A group's cells are yielded when its last pass ends (baseline first). On resume a group
   with any cell not in ``job.skip`` is measured again whole and all its cells are yielded
   (a drafter cell always divides by the baseline passes measured beside it).
@@ -519,7 +521,7 @@ def _measure_groups(job, info, groups, log, pool=None):
                 def sliced(cells, rep, alive=alive, start=start):
                     passes = loop.run_until_complete(sliced_group_pass(
                         cells, {c: alive[c.k] for c in cells}, lambda c: one_pass(c, rep),
-                        spec.interleave_s))
+                        spec.interleave_s, fair=bool(spec.fair_turns)))
                     return {c: replace(p, engine_start=start) for c, p in passes.items()}
 
                 measured = earlier[index] = measure_group(

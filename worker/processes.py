@@ -14,8 +14,8 @@ POLL_SECONDS = 0.05
 
 def stop_process_group(*procs, term_timeout: float | None = 10.0,
                        kill_timeout: float = 5.0) -> bool:
-    """End the process group that each ``subprocess.Popen`` of ``procs`` leads: SIGTERM to
-    the groups, up to ``term_timeout`` seconds for all their members to exit, then SIGKILL
+    """End the process group that each ``subprocess.Popen`` of ``procs`` leads: SIGTERM (and
+    SIGCONT, for a stopped member) to the groups, up to ``term_timeout`` seconds for all their members to exit, then SIGKILL
     to the groups with members left and up to ``kill_timeout`` seconds more.
     ``term_timeout=None`` sends SIGKILL at once (an abrupt end, as in a crash).
 
@@ -25,6 +25,9 @@ def stop_process_group(*procs, term_timeout: float | None = 10.0,
     groups = {p.pid: p for p in procs if p.returncode is None}
     if term_timeout is not None:
         _signal(groups, signal.SIGTERM)
+        # A stopped member (an engine frozen out of its turn: ProtocolSpec.fair_turns)
+        # acts on SIGTERM only once continued.
+        _signal(groups, signal.SIGCONT)
         _wait(groups, term_timeout)
     _signal(groups, signal.SIGKILL)
     _wait(groups, kill_timeout)

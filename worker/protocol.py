@@ -151,6 +151,15 @@ class ProtocolSpec:
     # latency and TTFT, count only its engine's turns (worker.cell.sliced_group_pass).
     # Unset: whole passes (every earlier version).
     interleave_s: float | None = None
+    # Version 6 (left out of the JSON when unset; needs interleave_s): fair turns. Each turn
+    # goes to the engine whose pass has made the fewest tokens so far (ties: the group's
+    # order), so the group's passes end together instead of the slowest drafter computing
+    # alone at the end; and an engine out of its turn is frozen (SIGSTOP on its engine core
+    # processes after vLLM paused it) so that it takes no time from the core the engine in
+    # its turn computes on (vLLM's engine core busy-polls its input queue for 1 s after its
+    # last step). Every turn then measures its engine in the same conditions: the others
+    # still, on the same machine. docs/measurement.md, "Fair turns".
+    fair_turns: bool | None = None
 
     def __post_init__(self):
         problems = []
@@ -219,6 +228,10 @@ class ProtocolSpec:
         if turn is not None and (isinstance(turn, bool) or not isinstance(turn, (int, float))
                                  or not 0 < turn <= 600):
             problems.append("interleave_s must be a number of seconds above 0, at most 600")
+        if self.fair_turns is not None and not isinstance(self.fair_turns, bool):
+            problems.append("fair_turns must be true or false")
+        elif self.fair_turns and not self.interleave_s:
+            problems.append("fair_turns needs interleave_s (turns are time slices)")
         for b, n in self.prompts_by_batch_size.items():
             if b not in self.batch_sizes:
                 problems.append(f"prompts_by_batch_size names batch size {b}, not one of the "
@@ -305,6 +318,8 @@ class ProtocolSpec:
             **({"engine_starts": self.engine_starts} if self.engine_starts else {}),
             # Version 5: only when set.
             **({"interleave_s": float(self.interleave_s)} if self.interleave_s else {}),
+            # Version 6: only when set.
+            **({"fair_turns": True} if self.fair_turns else {}),
         }
 
     @classmethod

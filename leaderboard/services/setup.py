@@ -88,7 +88,7 @@ DEMO_TASKS = [
 
 DEMO_V1_PROMPTS_PER_TASK = 16
 DEMO_V2_PROMPTS_PER_TASK = 8
-DEMO_VERSION = 5
+DEMO_VERSION = 6
 
 # Demo protocol v3 (docs/measurement.md, "The demo protocol", says how these were chosen
 # from v2's measured wall times on the project's 2-core machine):
@@ -113,6 +113,10 @@ DEMO_V4_ENGINE_STARTS = 2
 # machine falls on the baseline and the drafters alike. docs/measurement.md, "Time slices",
 # says what was measured.
 DEMO_V5_INTERLEAVE_S = 2.0
+# Demo protocol v6: v5 with fair turns (ProtocolSpec.fair_turns): each turn goes to the
+# engine behind in tokens, the others frozen, so the passes of a group end together and no
+# engine computes alone, or beside a paused engine's polling. docs/measurement.md, "Fair
+# turns", says why (v5's pair of runs missed at b = 8 where the slowest drafter ran alone).
 
 
 def demo_protocol_spec_v1(target: Target, prompt_sets: dict, prompts_per_task=None) -> ProtocolSpec:
@@ -146,10 +150,16 @@ def demo_protocol_spec_v2(target: Target, prompt_sets: dict, prompts_per_task=No
 
 
 def demo_protocol_spec(target: Target, prompt_sets: dict, prompts_per_task=None) -> ProtocolSpec:
-    """The demo protocol's current version (v5): v4 in time slices of DEMO_V5_INTERLEAVE_S
-    seconds."""
+    """The demo protocol's current version (v6): v5 with fair turns."""
+    return replace(demo_protocol_spec_v5(target, prompt_sets, prompts_per_task),
+                   version=DEMO_VERSION, fair_turns=True)
+
+
+def demo_protocol_spec_v5(target: Target, prompt_sets: dict, prompts_per_task=None) -> ProtocolSpec:
+    """The demo protocol's fifth version (kept as it was measured): v4 in time slices of
+    DEMO_V5_INTERLEAVE_S seconds."""
     return replace(demo_protocol_spec_v4(target, prompt_sets, prompts_per_task),
-                   version=DEMO_VERSION, interleave_s=DEMO_V5_INTERLEAVE_S)
+                   version=5, interleave_s=DEMO_V5_INTERLEAVE_S)
 
 
 def demo_protocol_spec_v4(target: Target, prompt_sets: dict, prompts_per_task=None) -> ProtocolSpec:
@@ -195,7 +205,7 @@ def acceptance_protocol_spec(demo: ProtocolSpec) -> ProtocolSpec:
     return replace(demo, slug=ACCEPTANCE_PROTOCOL_SLUG, version=1, batch_sizes=(8,),
                    ks=(max(demo.ks),), repetitions=1, target_half_width=None,
                    max_repetitions=None, cell_time_budget_s=None, prompts_by_batch_size={},
-                   engine_starts=None, interleave_s=None)
+                   engine_starts=None, interleave_s=None, fair_turns=None)
 
 
 def ensure_acceptance_protocol(rows) -> Protocol:

@@ -36,6 +36,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import time
 from collections import deque
@@ -305,12 +306,64 @@ def _spec_counter_factory(counts: SpecCounts):
 
 
 def _engine_core_pids(parent_pid: int) -> list[int]:
-    """Children of this process (the engine core processes a start spawned)."""
+    """Children of this process (the engine core processes a start spawned), less
+    multiprocessing's resource tracker (started beside the first engine, shared by all)."""
     try:
         with open(f"/proc/{parent_pid}/task/{parent_pid}/children") as f:
-            return [int(p) for p in f.read().split()]
+            pids = [int(p) for p in f.read().split()]
     except OSError:
         return []
+    return [p for p in pids if b"resource_tracker" not in _cmdline(p)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _process_tree(pids: list[int]) -> list[int]:
+    """``pids`` and their descendants (an engine core's own workers), from /proc."""
+    tree, todo = [], list(pids)
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        try:
+            threads = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in threads:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+            except OSError:
+                pass
+    return tree
+
+
+async def _stopped(pids: list[int], timeout_s: float = 0.5):
+    """Wait until these processes are stopped (a signal takes effect when the process is
+    next scheduled: on another core, a few milliseconds later), at most ``timeout_s``."""
+    deadline = time.perf_counter() + timeout_s
+    for pid in pids:
+        while time.perf_counter() < deadline:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] in "TtZX":
+                        break
+            except OSError:
+                break
+            await asyncio.sleep(0.001)
+
+
+def _signal_all(pids: list[int], sig):
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 class VllmEngine:
@@ -328,6 +381,8 @@ class VllmEngine:
         self.core_pids: list[int] = []     # the engine core process(es) this start spawned
         self.prefix_caching: bool | None = None   # as the running engine is configured
         self._pause_keeps: bool | None = None     # pause_generation(mode="keep") exists
+        self.generated_tokens = 0    # output tokens delivered so far (fair turns' progress)
+        self.frozen: list[int] = []  # processes pause(freeze=True) stopped, until resume()
 
     def all_args(self) -> dict:
         args = dict(self.engine_args, speculative_config=self.speculative_config)
@@ -411,6 +466,7 @@ class VllmEngine:
                 if ttft is None:
                     ttft = time.perf_counter() - t0
                 tokens.extend(completion.token_ids)
+                self.generated_tokens += len(completion.token_ids)
             if out.finished:
                 finish = completion.finish_reason
                 sdm = getattr(completion, "spec_decode_metrics", None)
@@ -419,10 +475,14 @@ class VllmEngine:
         return RequestResult(request_id, tokens, len(prompt_token_ids), ttft, latency, finish,
                              self._steps.pop(request_id, []), spec_metrics, submitted=t0)
 
-    async def pause(self):
+    async def pause(self, freeze: bool = False):
         """Stop scheduling: the step under way ends, the requests in flight are kept with
         their KV cache, new ones wait (vLLM's pause_generation, mode "keep"). For time
-        slices between engines (ProtocolSpec.interleave_s)."""
+        slices between engines (ProtocolSpec.interleave_s). ``freeze`` (fair turns,
+        ProtocolSpec.fair_turns): then stop the engine core processes (SIGSTOP) until
+        :meth:`resume`, so that a paused engine takes no CPU time: vLLM's engine core
+        busy-polls its input queue for 1 s after its last step, on the core the next
+        engine computes on."""
         pause = getattr(self.llm, "pause_generation", None)
         if self._pause_keeps is None:     # once per engine: every turn pauses it
             import inspect
@@ -435,10 +495,21 @@ class VllmEngine:
                 f"requests (AsyncLLM.pause_generation(mode='keep')): a protocol with time "
                 f"slices (interleave_s) needs a vLLM that can")
         await pause(mode="keep", clear_cache=False)
+        if freeze and not self.frozen:
+            self.frozen = _process_tree(self.core_pids)
+            _signal_all(self.frozen, signal.SIGSTOP)
+            await _stopped(self.frozen)
 
     async def resume(self):
-        """Schedule again after :meth:`pause`, the kept requests where they stopped."""
+        """Schedule again after :meth:`pause`, the kept requests where they stopped (the
+        engine core processes continued first if the pause froze them)."""
+        self.thaw()
         await self.llm.resume_generation()
+
+    def thaw(self):
+        """Continue the processes a freezing pause stopped (SIGCONT); nothing otherwise."""
+        frozen, self.frozen = self.frozen, []
+        _signal_all(frozen, signal.SIGCONT)
 
     def spec_counts(self) -> SpecCounts:
         """This engine's cumulative speculation counters now (a copy)."""
@@ -446,6 +517,7 @@ class VllmEngine:
         return SpecCounts(c.drafts, c.draft_tokens, c.accepted_tokens, list(c.accepted_at))
 
     def shutdown(self):
+        self.thaw()     # a stopped engine core could not exit
         llm, self.llm = self.llm, None
         if llm is None:
             return
