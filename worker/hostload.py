@@ -221,6 +221,11 @@ def tree_engine_cores(root: int | None = None,
     return engine_cores(threads, allowed, all_cores_when_unpinned)
 
 
+def process_tree(root: int | None = None) -> set[int]:
+    """The pids of the process tree of `root` (this process) now, `root` included."""
+    return _tree(root or os.getpid(), _all_processes())
+
+
 def _all_processes():
     out = {}
     for name in os.listdir("/proc"):

@@ -15,8 +15,9 @@ POLL_SECONDS = 0.05
 def stop_process_group(*procs, term_timeout: float | None = 10.0,
                        kill_timeout: float = 5.0) -> bool:
     """End the process group that each ``subprocess.Popen`` of ``procs`` leads: SIGTERM (and
-    SIGCONT, for a stopped member) to the groups, up to ``term_timeout`` seconds for all their members to exit, then SIGKILL
-    to the groups with members left and up to ``kill_timeout`` seconds more.
+    SIGCONT, for a stopped member) to the groups, up to ``term_timeout`` seconds for all
+    their members to exit, then SIGKILL to the groups with members left and up to
+    ``kill_timeout`` seconds more.
     ``term_timeout=None`` sends SIGKILL at once (an abrupt end, as in a crash).
 
     A group already gone is fine. A leader already waited for (``returncode`` set) is left

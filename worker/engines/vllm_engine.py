@@ -42,6 +42,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from worker import hostload
 from worker.methods import is_cpu_hardware
 from worker.metrics import SpecCounts
 
@@ -305,42 +306,12 @@ def _spec_counter_factory(counts: SpecCounts):
     return SpecCounter
 
 
-def _engine_core_pids(parent_pid: int) -> list[int]:
-    """Children of this process (the engine core processes a start spawned), less
-    multiprocessing's resource tracker (started beside the first engine, shared by all)."""
-    try:
-        with open(f"/proc/{parent_pid}/task/{parent_pid}/children") as f:
-            pids = [int(p) for p in f.read().split()]
-    except OSError:
-        return []
-    return [p for p in pids if b"resource_tracker" not in _cmdline(p)]
-
-
 def _cmdline(pid: int) -> bytes:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return f.read()
     except OSError:
         return b""
-
-
-def _process_tree(pids: list[int]) -> list[int]:
-    """``pids`` and their descendants (an engine core's own workers), from /proc."""
-    tree, todo = [], list(pids)
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        try:
-            threads = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in threads:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-            except OSError:
-                pass
-    return tree
 
 
 async def _stopped(pids: list[int], timeout_s: float = 0.5):
@@ -378,11 +349,11 @@ class VllmEngine:
         self.llm = None
         self._steps: dict[str, list[int]] = {}
         self._counts = SpecCounts()
-        self.core_pids: list[int] = []     # the engine core process(es) this start spawned
+        self.engine_pids: list[int] = []   # the processes this start spawned (core, worker)
         self.prefix_caching: bool | None = None   # as the running engine is configured
         self._pause_keeps: bool | None = None     # pause_generation(mode="keep") exists
         self.generated_tokens = 0    # output tokens delivered so far (fair turns' progress)
-        self.frozen: list[int] = []  # processes pause(freeze=True) stopped, until resume()
+        self.frozen = False          # engine_pids stopped by pause(freeze=True), until resume()
 
     def all_args(self) -> dict:
         args = dict(self.engine_args, speculative_config=self.speculative_config)
@@ -393,7 +364,7 @@ class VllmEngine:
     async def start(self):
         apply_engine_env(self.hardware)
         tail = OutputTail().start()
-        before = set(_engine_core_pids(os.getpid()))
+        before = hostload.process_tree()
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -415,7 +386,9 @@ class VllmEngine:
                 f"{cause}") from e
         finally:
             tail.restore()
-        self.core_pids = [p for p in _engine_core_pids(os.getpid()) if p not in before]
+        # less multiprocessing's resource tracker (started beside the first engine, shared)
+        self.engine_pids = sorted(p for p in hostload.process_tree() - before
+                                  if b"resource_tracker" not in _cmdline(p))
         cache = getattr(getattr(self.llm, "vllm_config", None), "cache_config", None)
         if cache is not None:
             self.prefix_caching = bool(cache.enable_prefix_caching)
@@ -479,7 +452,7 @@ class VllmEngine:
         """Stop scheduling: the step under way ends, the requests in flight are kept with
         their KV cache, new ones wait (vLLM's pause_generation, mode "keep"). For time
         slices between engines (ProtocolSpec.interleave_s). ``freeze`` (fair turns,
-        ProtocolSpec.fair_turns): then stop the engine core processes (SIGSTOP) until
+        ProtocolSpec.fair_turns): then stop the engine's processes (SIGSTOP) until
         :meth:`resume`, so that a paused engine takes no CPU time: vLLM's engine core
         busy-polls its input queue for 1 s after its last step, on the core the next
         engine computes on."""
@@ -496,9 +469,9 @@ class VllmEngine:
                 f"slices (interleave_s) needs a vLLM that can")
         await pause(mode="keep", clear_cache=False)
         if freeze and not self.frozen:
-            self.frozen = _process_tree(self.core_pids)
-            _signal_all(self.frozen, signal.SIGSTOP)
-            await _stopped(self.frozen)
+            self.frozen = True
+            _signal_all(self.engine_pids, signal.SIGSTOP)
+            await _stopped(self.engine_pids)
 
     async def resume(self):
         """Schedule again after :meth:`pause`, the kept requests where they stopped (the
@@ -508,8 +481,9 @@ class VllmEngine:
 
     def thaw(self):
         """Continue the processes a freezing pause stopped (SIGCONT); nothing otherwise."""
-        frozen, self.frozen = self.frozen, []
-        _signal_all(frozen, signal.SIGCONT)
+        if self.frozen:
+            self.frozen = False
+            _signal_all(self.engine_pids, signal.SIGCONT)
 
     def spec_counts(self) -> SpecCounts:
         """This engine's cumulative speculation counters now (a copy)."""
