@@ -17,7 +17,10 @@ measured in two of the runs (every pair of runs):
 - z_rerun = (log s_a - log s_b) / sqrt(p_a^2 + p_b^2 + 2 tau^2): p each cell's passes'
   standard error with the prompts held fixed (a rerun measures the same prompts, so their
   variance cancels) and tau^2 the protocol's between-run variance (or, with --estimate,
-  the one these runs give: in-sample).
+  the one these runs give: in-sample);
+- z_held_out: z_rerun with tau^2 estimated from these runs' cells of the OTHER tasks
+  (worker.calibration.held_out_rows): each task judged by an estimate it did not make,
+  the out-of-sample check one pair of runs gives;
 and the share of cells with |z| <= 1.96 in each column: calibrated means about 95% for
 z_rerun and, on a calibrated protocol, for z_stored (conservative before: the prompts'
 variance is in the interval across prompts);
@@ -134,7 +137,8 @@ def report(run_ids, estimate_here=False):
           f"{', '.join(str(r.pk) for r in run_list)}; between-run variance {tau2:.3g} "
           f"(sd {math.sqrt(tau2) * 100:.2f}%): {source}\n")
     head = (f"{'task':<16}{'b':>3}{'t':>5}{'k':>3}{'runs':>12}{'speedup a':>11}"
-            f"{'speedup b':>11}{'diff %':>8}{'z_stored':>10}{'z_within':>10}{'z_rerun':>9}")
+            f"{'speedup b':>11}{'diff %':>8}{'z_stored':>10}{'z_within':>10}{'z_rerun':>9}"
+            f"{'z_held_out':>11}")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -143,11 +147,20 @@ def report(run_ids, estimate_here=False):
         print(f"{task:<16}{b:>3}{t:>5g}{k:>3}{pair:>12}"
               f"{r['speedup_a']:>11.3f}{r['speedup_b']:>11.3f}"
               f"{fmt(r['difference_pct'], '+.1f'):>8}{fmt(r['z_stored'], '+.2f'):>10}"
-              f"{fmt(r['z_within'], '+.2f'):>10}{fmt(r['z_rerun'], '+.2f'):>9}")
+              f"{fmt(r['z_within'], '+.2f'):>10}{fmt(r['z_rerun'], '+.2f'):>9}"
+              f"{fmt(r['z_held_out'], '+.2f'):>11}")
     shares = calibration.table_shares(rows)
     print(f"\n{shares['cells']} cell pairs; share with |z| <= 1.96: "
           + ", ".join(f"{c} {fmt(shares[c] and shares[c] * 100, '.0f')}%"
-                      for c in ("z_stored", "z_within", "z_rerun")))
+                      for c in calibration.Z_COLUMNS))
+    tasks = sorted({m.key[1] for m in within})
+    if len(tasks) > 1:
+        # What z_held_out used for each task, beside the task's own estimate.
+        def sd(cells):
+            return f"{math.sqrt(calibration.between_run_variance(cells).variance) * 100:.2f}%"
+        print("between-run sd by task, its own cells / the other tasks' (held out): "
+              + ", ".join(f"{t} {sd([m for m in within if m.key[1] == t])} / "
+                          f"{sd([m for m in within if m.key[1] != t])}" for t in tasks))
     widths = [max(m.high - m.speedup, m.speedup - m.low) / m.speedup * 100
               for m in stored if m.low is not None and m.high is not None]
     b4 = [max(m.high - m.speedup, m.speedup - m.low) / m.speedup * 100

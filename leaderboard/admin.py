@@ -96,7 +96,7 @@ class ProtocolAdmin(admin.ModelAdmin):
 class ProtocolCalibrationAdmin(admin.ModelAdmin):
     # Written by `manage.py calibrate_protocol`, which also re-divides the cells: read-only here.
     list_display = ("protocol", "between_run_variance", "cells", "degrees_of_freedom",
-                    "created_at")
+                    "held_out_within", "held_out_pairs", "created_at")
     list_filter = ("protocol",)
 
     def has_add_permission(self, request):

@@ -569,6 +569,13 @@ class ProtocolCalibration(models.Model):
                                   help_text="the runs the estimate came from")
     drafters = models.JSONField(default=list, blank=True,
                                 help_text="slugs of the drafters whose runs were used")
+    # The out-of-sample check (worker.calibration.held_out_rows): the estimate is calibrated
+    # on its own runs by construction; each task's pairs judged by the other tasks' is not.
+    held_out_pairs = models.PositiveIntegerField(
+        default=0, help_text="cell pairs judged held out by task (0: no check, one task only "
+                             "or recorded before the check)")
+    held_out_within = models.PositiveIntegerField(
+        default=0, help_text="of those, the pairs with |z| <= 1.96")
     inherited_from = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+",
         help_text="a copy of this calibration of another version of the protocol's family "

@@ -108,6 +108,35 @@ def test_z_table_is_calibrated_with_the_estimated_component_only():
     assert cal.share_within(cal.z_rows(cal.widened(cells, est.variance))) >= 0.95
 
 
+def task_cells(seed, task, tau, n_keys=300):
+    """model_cells of one task: keys (drafter, task, key), run ids 0 and 1."""
+    return [Measured(("d", task, m.key[1]), m.run_id % 1000, m.speedup, m.low, m.high,
+                     m.passes_se) for m in model_cells(seed, n_keys, tau)]
+
+
+def test_held_out_z_takes_a_tasks_between_run_variance_from_the_other_tasks():
+    a, b = task_cells(20, "a", 0.04), task_cells(21, "b", 0.04)
+    rows = cal.held_out_rows(a + b, fold=lambda key: key[1])
+    assert len(rows) == 600
+    # Each task judged by the estimate the other made: exactly the rerun z with it.
+    tau2_b = cal.between_run_variance(b).variance
+    expected = {(r.key, r.run_a): r.z for r in cal.z_rows(a, between_run=tau2_b)}
+    assert all(r.z == pytest.approx(expected[(r.key, r.run_a)])
+               for r in rows if r.key[1] == "a")
+    # One shift in both tasks: held out, as calibrated as in-sample.
+    assert 0.92 <= cal.share_within(rows) <= 0.98
+    # A task whose runs move more than the other's: in-sample the pooled estimate hides it
+    # (calibrated on average), held out its cells miss far more often.
+    quiet, loud = task_cells(22, "quiet", 0.01), task_cells(23, "loud", 0.06)
+    pooled = cal.between_run_variance(quiet + loud).variance
+    in_sample = cal.share_within(cal.z_rows(loud, between_run=pooled))
+    held_out = cal.share_within(
+        [r for r in cal.held_out_rows(quiet + loud) if r.key[1] == "loud"])
+    assert held_out < 0.6 < in_sample
+    # A single task has no other to estimate from: no held-out z.
+    assert all(r.z is None for r in cal.held_out_rows(a))
+
+
 def test_z_rows_pair_every_two_runs_of_a_key():
     cells = model_cells(8, 5, 0.02, runs=3)
     rows = cal.z_rows(cells)
@@ -249,6 +278,14 @@ class TestCalibrateProtocol:
         assert ProtocolCalibration.variance_for(protocol.pk) == row.between_run_variance
         text = out.getvalue()
         assert "16 cell intervals changed" in text and f"runs {made[0].pk}, {made[1].pk}" in text
+        held_out = [r.z for r in cal.held_out_rows(measured)]
+        assert len(held_out) == 8 and all(z is not None for z in held_out)
+        within = sum(abs(z) <= 1.96 for z in held_out)
+        assert f"|z| <= 1.96 in {within} of 8 cell pairs" in text
+        assert (row.held_out_within, row.held_out_pairs) == (within, 8)
+        from django.test import Client
+        html = Client().get(f"/protocols/{protocol.slug}/v{protocol.version}/").content.decode()
+        assert f"Held out by task: <b>{within} of 8</b>" in html
 
         passes_se = {(m.run_id, *m.key[1:]): m.passes_se for m in measured}
         for r in Result.objects.filter(run__in=made, k__gt=0):
@@ -336,8 +373,11 @@ def test_rerun_table_columns():
     shares = cal.table_shares(rows)
     assert shares["cells"] == 30
     assert shares["z_within"] < 0.85 <= shares["z_rerun"] and shares["z_stored"] >= 0.9
+    # Every key its own fold here: each judged by the other 29 keys' estimate.
+    assert all(r["z_held_out"] is not None for r in rows)
+    assert shares["z_held_out"] >= 0.85
     assert cal.table_shares([]) == {"cells": 0, "z_stored": None, "z_within": None,
-                                    "z_rerun": None}
+                                    "z_rerun": None, "z_held_out": None}
 
 
 # ----------------------------------------------------------------------- engine starts

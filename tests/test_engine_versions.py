@@ -76,16 +76,19 @@ def test_a_derived_version_starts_with_a_copy_of_its_familys_calibration(client,
     runs = list(Run.objects.filter(protocol=source, state=Run.SUCCEEDED)[:2])
     own = ProtocolCalibration.objects.create(protocol=source, between_run_variance=4e-4,
                                              raw_variance=5e-4, cells=6, degrees_of_freedom=6,
-                                             drafters=["ngram-x"])
+                                             drafters=["ngram-x"], held_out_pairs=6,
+                                             held_out_within=5)
     own.runs.set(runs)
     derived = engine_versions.derive_engine_version(source, ENGINE_VERSION)
     copy = ProtocolCalibration.objects.get(protocol=derived)
     assert ProtocolCalibration.variance_for(derived.pk) == 4e-4
     assert copy.inherited_from_id == own.pk and copy.drafters == ["ngram-x"]
     assert set(copy.runs.all()) == set(runs) and copy.degrees_of_freedom == 6
+    assert (copy.held_out_within, copy.held_out_pairs) == (5, 6)
     assert ProtocolCalibration.objects.filter(protocol=source).count() == 1   # untouched
     html = client.get(reverse("protocol", args=[derived.slug, derived.version])).content.decode()
     assert f"Copied from version {source.version}" in html
+    assert "Held out by task: <b>5 of 6</b>" in html
     # its own calibration, once reruns give one, is the newest row and applies
     newer = ProtocolCalibration.objects.create(protocol=derived, between_run_variance=1e-4)
     assert ProtocolCalibration.variance_for(derived.pk) == 1e-4

@@ -32,12 +32,15 @@ half-width of that run's interval on the side facing the other run / z; those in
 include the prompts' variance, which cancels between runs on the same prompts, so this z is
 conservative (|z| <= 1.96 in 95% of cells or more). The rerun z (``between_run=tau^2``):
 se = sqrt(p_1^2 + p_2^2 + 2 tau^2), the variance of d under the model: calibrated means
-|z| <= 1.96 in about 95% of cells (``share_within``)."""
+|z| <= 1.96 in about 95% of cells (``share_within``). With tau^2 from the same runs that is
+true on average by construction; the held-out z (``held_out_rows``) takes each task's tau^2
+from the other tasks' cells, so a task's differences are judged by an estimate they did
+not make: the out-of-sample check one pair of runs can give."""
 from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from scipy.special import ndtri
 
@@ -203,6 +206,33 @@ def z_rows(measured, between_run: float | None = None) -> list[ZRow]:
     return rows
 
 
+def task_of(key) -> str:
+    """The task of a cell key (drafter, task, batch size, temperature, k): the default fold
+    of ``held_out_rows``."""
+    return key[1]
+
+
+def held_out_rows(measured, fold=task_of) -> list[ZRow]:
+    """The rerun z (``z_rows`` with a between-run variance) with each cell's tau^2 estimated
+    from the cells of the OTHER folds only (``between_run_variance`` over the cells whose
+    ``fold(key)`` differs; by default the other tasks): an out-of-sample check of the
+    calibration from the same runs. The in-sample z uses a tau^2 that these very
+    differences made, so it is calibrated on average by construction; a fold whose
+    shifts are larger or smaller than the rest's shows here as |z| > 1.96 too often or too
+    seldom. A row whose complement has no estimate (a single fold) gets no z."""
+    measured = list(measured)
+    folds = {fold(m.key) for m in measured}
+    rows = []
+    for f in sorted(folds, key=repr):
+        rest = between_run_variance([m for m in measured if fold(m.key) != f])
+        inside = [m for m in measured if fold(m.key) == f]
+        if not rest.degrees_of_freedom:
+            rows += [replace(r, standard_error=None, z=None) for r in z_rows(inside)]
+            continue
+        rows += z_rows(inside, between_run=rest.variance)
+    return sorted(rows, key=lambda r: (repr(r.key), r.run_a, r.run_b))
+
+
 def share_within(rows, bound: float = 1.96) -> float | None:
     """The share of rows with a z whose |z| <= bound (calibrated: about 95% at 1.96); None
     when no row has a z."""
@@ -221,28 +251,34 @@ def widened(measured, variance: float) -> list[Measured]:
     return out
 
 
-def rerun_table(stored, within, between_run: float) -> list[dict]:
+Z_COLUMNS = ("z_stored", "z_within", "z_rerun", "z_held_out")
+
+
+def rerun_table(stored, within, between_run: float, fold=task_of) -> list[dict]:
     """The rerun z-table: a row for every key and pair of runs in ``stored`` (the cells as
-    the site stores them), with three z's -- ``z_stored`` from the stored intervals,
+    the site stores them), with four z's -- ``z_stored`` from the stored intervals,
     ``z_within`` from the within-run intervals in ``within`` (the same cells before any
-    calibration: what the issue measured), and ``z_rerun`` from the passes and
-    ``between_run`` (the variance of the difference under the model) -- and the speedups'
-    difference in percent. A z that cannot be computed is None."""
+    calibration: what the issue measured), ``z_rerun`` from the passes and
+    ``between_run`` (the variance of the difference under the model), and ``z_held_out``
+    the same with tau^2 from the other folds' cells of ``within`` (``held_out_rows``) --
+    and the speedups' difference in percent. A z that cannot be computed is None."""
     def by_pair(rows):
         return {(r.key, r.run_a, r.run_b): r for r in rows}
 
-    within_rows = by_pair(z_rows(within))
-    rerun_rows = by_pair(z_rows(within, between_run=between_run))
+    columns = {"z_within": by_pair(z_rows(within)),
+               "z_rerun": by_pair(z_rows(within, between_run=between_run)),
+               "z_held_out": by_pair(held_out_rows(within, fold))}
     out = []
     for row in z_rows(stored):
         pair = (row.key, row.run_a, row.run_b)
-        w, r = within_rows.get(pair), rerun_rows.get(pair)
+        found = {name: rows.get(pair) for name, rows in columns.items()}
         out.append({
             "key": row.key, "run_a": row.run_a, "run_b": row.run_b,
             "speedup_a": row.speedup_a, "speedup_b": row.speedup_b,
             "difference_pct": ((row.speedup_a / row.speedup_b - 1) * 100
                                if _positive(row.speedup_a, row.speedup_b) else None),
-            "z_stored": row.z, "z_within": w.z if w else None, "z_rerun": r.z if r else None,
+            "z_stored": row.z,
+            **{name: r.z if r else None for name, r in found.items()},
         })
     return out
 
@@ -251,7 +287,7 @@ def table_shares(rows, bound: float = 1.96) -> dict:
     """{column: share of its rows with |z| <= bound} for each z column of ``rerun_table``
     (None where no row has that z), and "cells": the rows."""
     out = {"cells": len(rows)}
-    for column in ("z_stored", "z_within", "z_rerun"):
+    for column in Z_COLUMNS:
         zs = [r[column] for r in rows if r[column] is not None]
         out[column] = sum(abs(z) <= bound for z in zs) / len(zs) if zs else None
     return out

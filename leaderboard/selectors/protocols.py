@@ -114,7 +114,8 @@ def protocol_detail(p: Protocol) -> dict:
         "calibration": (ProtocolCalibration.objects.filter(protocol=p)
                         .order_by("-created_at", "-pk").values(
                             "between_run_variance", "cells", "degrees_of_freedom",
-                            "drafters", "created_at", "inherited_from__protocol__version",
+                            "drafters", "created_at", "held_out_pairs", "held_out_within",
+                            "inherited_from__protocol__version",
                             "inherited_from__protocol__spec_json__engine_version").first()),
         "calibration_method": calibration.__doc__.strip(),
         "aggregate_interval_method": speedups.__doc__.strip(),

@@ -82,12 +82,31 @@ def measured_within_run(run_list, read=None) -> list[calibration.Measured]:
     return out
 
 
+@dataclass
+class Outcome:
+    """What `calibrate` found and did: the estimate, {drafter slug: runs} it came from, the
+    stored row (None on a dry run or without an estimate), the intervals it changed, and
+    the held-out check (worker.calibration.held_out_rows: each task's cells against the
+    other tasks' estimate)."""
+    estimate: calibration.Estimate
+    by_drafter: dict
+    row: ProtocolCalibration | None
+    changes: list
+    held_out: list
+
+    def held_out_within(self, bound: float = 1.96) -> tuple[int, int]:
+        """(cell pairs with a held-out |z| <= bound, cell pairs with a held-out z)."""
+        zs = [r.z for r in self.held_out if r.z is not None]
+        return sum(abs(z) <= bound for z in zs), len(zs)
+
+
 def estimate(protocol: Protocol, drafters=None):
-    """(worker.calibration.Estimate, {drafter slug: runs}) from the protocol's reference
-    runs."""
+    """(worker.calibration.Estimate, {drafter slug: runs}, the Measured cells it came from)
+    from the protocol's reference runs."""
     by_drafter = reference_runs(protocol, drafters)
     run_list = [r for rs in by_drafter.values() for r in rs]
-    return calibration.between_run_variance(measured_within_run(run_list)), by_drafter
+    measured = measured_within_run(run_list)
+    return calibration.between_run_variance(measured), by_drafter, measured
 
 
 def apply(protocol: Protocol) -> list[Change]:
@@ -125,23 +144,25 @@ def inherit(protocol: Protocol, family) -> ProtocolCalibration | None:
         protocol=protocol, between_run_variance=source.between_run_variance,
         raw_variance=source.raw_variance, cells=source.cells,
         degrees_of_freedom=source.degrees_of_freedom, drafters=source.drafters,
+        held_out_pairs=source.held_out_pairs, held_out_within=source.held_out_within,
         inherited_from=source.inherited_from or source)
     row.runs.set(source.runs.all())
     return row
 
 
-def calibrate(protocol: Protocol, drafters=None, dry_run: bool = False):
-    """Estimate, store a new ProtocolCalibration and apply it. Returns (estimate, by
-    drafter, the stored row or None, changes). Nothing is stored when no cell was measured
-    in two runs, or with `dry_run`."""
-    est, by_drafter = estimate(protocol, drafters)
+def calibrate(protocol: Protocol, drafters=None, dry_run: bool = False) -> Outcome:
+    """Estimate, store a new ProtocolCalibration and apply it (an Outcome). Nothing is
+    stored when no cell was measured in two runs, or with `dry_run`."""
+    est, by_drafter, measured = estimate(protocol, drafters)
+    outcome = Outcome(est, by_drafter, None, [], calibration.held_out_rows(measured))
     if dry_run or not est.degrees_of_freedom:
-        return est, by_drafter, None, []
+        return outcome
+    within, judged = outcome.held_out_within()
     with transaction.atomic():
         row = ProtocolCalibration.objects.create(
             protocol=protocol, between_run_variance=est.variance, raw_variance=est.raw_variance,
             cells=est.cells, degrees_of_freedom=est.degrees_of_freedom,
-            drafters=sorted(by_drafter))
+            drafters=sorted(by_drafter), held_out_pairs=judged, held_out_within=within)
         row.runs.set(est.run_ids)
-        changes = apply(protocol)
-    return est, by_drafter, row, changes
+        outcome.row, outcome.changes = row, apply(protocol)
+    return outcome

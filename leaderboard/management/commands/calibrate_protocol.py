@@ -4,7 +4,8 @@ From the drafters measured in two or more succeeded runs under the protocol (n-g
 shipped head: `bench/rerun.py` measures them again), by the method of moments
 (worker.calibration), stored as a new ProtocolCalibration; then every drafter cell of the
 protocol is divided again so that its stored speedup interval carries it. Prints the
-estimate, the runs it came from and every interval that changed."""
+estimate, the runs it came from, the held-out check (each task's cell pairs judged with the
+estimate the other tasks give: out of sample) and every interval that changed."""
 import math
 
 from django.core.management.base import BaseCommand, CommandError
@@ -36,7 +37,8 @@ class Command(BaseCommand):
 
     def handle(self, protocol, drafters=None, dry_run=False, **options):
         protocol = resolve_protocol(protocol)
-        est, by_drafter, row, changes = calibration.calibrate(protocol, drafters, dry_run)
+        outcome = calibration.calibrate(protocol, drafters, dry_run)
+        est, by_drafter = outcome.estimate, outcome.by_drafter
         if not est.degrees_of_freedom:
             raise CommandError(
                 f"{protocol}: no drafter cell was measured in two succeeded runs (with "
@@ -51,12 +53,20 @@ class Command(BaseCommand):
             f"raw estimate {est.raw_variance:.3g}) from {est.cells} cells, "
             f"{est.degrees_of_freedom} degrees of freedom, runs "
             f"{', '.join(map(str, est.run_ids))}")
+        within, judged = outcome.held_out_within()
+        if judged:
+            self.stdout.write(
+                f"held out by task (each task's cells against the estimate of the other "
+                f"tasks' alone): |z| <= 1.96 in {within} of {judged} cell pairs")
+        else:
+            self.stdout.write("held out by task: no check (one task only)")
         if dry_run:
             self.stdout.write("dry run: nothing stored")
             return
-        for c in changes:
+        for c in outcome.changes:
             r = c.result
             self.stdout.write(f"run {r.run_id} {r.task} b={r.batch_size} t={r.temperature:g} "
                               f"k={r.k}: {_fmt(c.before)} -> {_fmt(c.after)}")
         self.stdout.write(self.style.SUCCESS(
-            f"stored calibration {row.pk}; {len(changes)} cell intervals changed"))
+            f"stored calibration {outcome.row.pk}; {len(outcome.changes)} cell intervals "
+            f"changed"))
