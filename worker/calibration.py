@@ -233,13 +233,17 @@ def held_out_rows(measured, fold=task_of) -> list[ZRow]:
     return sorted(rows, key=lambda r: (repr(r.key), r.run_a, r.run_b))
 
 
+def count_within(zs, bound: float = 1.96) -> tuple[int, int]:
+    """(how many of the z's that are not None have |z| <= bound, how many are not None)."""
+    zs = [z for z in zs if z is not None]
+    return sum(abs(z) <= bound for z in zs), len(zs)
+
+
 def share_within(rows, bound: float = 1.96) -> float | None:
     """The share of rows with a z whose |z| <= bound (calibrated: about 95% at 1.96); None
     when no row has a z."""
-    zs = [r.z for r in rows if r.z is not None]
-    if not zs:
-        return None
-    return sum(abs(z) <= bound for z in zs) / len(zs)
+    within, judged = count_within((r.z for r in rows), bound)
+    return within / judged if judged else None
 
 
 def widened(measured, variance: float) -> list[Measured]:
@@ -288,8 +292,8 @@ def table_shares(rows, bound: float = 1.96) -> dict:
     (None where no row has that z), and "cells": the rows."""
     out = {"cells": len(rows)}
     for column in Z_COLUMNS:
-        zs = [r[column] for r in rows if r[column] is not None]
-        out[column] = sum(abs(z) <= bound for z in zs) / len(zs) if zs else None
+        within, judged = count_within((r[column] for r in rows), bound)
+        out[column] = within / judged if judged else None
     return out
 
 

@@ -96,8 +96,7 @@ class Outcome:
 
     def held_out_within(self, bound: float = 1.96) -> tuple[int, int]:
         """(cell pairs with a held-out |z| <= bound, cell pairs with a held-out z)."""
-        zs = [r.z for r in self.held_out if r.z is not None]
-        return sum(abs(z) <= bound for z in zs), len(zs)
+        return calibration.count_within((r.z for r in self.held_out), bound)
 
 
 def estimate(protocol: Protocol, drafters=None):
