@@ -29,7 +29,7 @@ table; tests/test_calibration.py tests it on seeded records.
 
     .venv/bin/python bench/rerun.py DRAFTER [--protocol SLUG[@VERSION]] [--count 2] [--sync]
                                     [--gap-minutes 60] [--estimate]
-    .venv/bin/python bench/rerun.py --runs ID ID [...] [--estimate]   # existing runs
+    .venv/bin/python bench/rerun.py --runs ID ID [...] [--estimate | --tau SD_PERCENT]
     .venv/bin/python bench/rerun.py --starts RUN   # within and between engine starts
 
 The site's settings apply (DATABASE_URL, or the embedded var/): run it where the site's
@@ -104,7 +104,7 @@ def wait_for(ids):
     return ids
 
 
-def report(run_ids, estimate_here=False):
+def report(run_ids, estimate_here=False, tau_percent=None):
     from leaderboard.models import ProtocolCalibration, Result, Run
     from leaderboard.services import calibration as service
     from worker import calibration
@@ -128,6 +128,9 @@ def report(run_ids, estimate_here=False):
     if estimate_here:
         tau2 = calibration.between_run_variance(within).variance
         source = "estimated from these runs (in-sample)"
+    elif tau_percent is not None:
+        tau2 = (tau_percent / 100) ** 2
+        source = "given (--tau)"
     rows = calibration.rerun_table(stored, within, tau2)
 
     def fmt(x, spec):
@@ -241,6 +244,10 @@ def main():
     parser.add_argument("--runs", type=int, nargs="+", help="report on these runs only")
     parser.add_argument("--estimate", action="store_true",
                         help="z_rerun with the between-run variance these runs give")
+    parser.add_argument("--tau", type=float, metavar="SD_PERCENT",
+                        help="z_rerun with this between-run sd of the log-speedup, in percent "
+                             "(e.g. another pair's estimate, from another database or machine): "
+                             "judged by an estimate these runs did not make")
     parser.add_argument("--starts", type=int, metavar="RUN",
                         help="one run under a protocol with several engine starts: its pass "
                              "speedups within and between starts")
@@ -251,9 +258,13 @@ def main():
         return
     if not args.runs and not args.drafter:
         parser.error("give a DRAFTER to measure, or --runs ID ID, or --starts RUN")
+    if args.estimate and args.tau is not None:
+        parser.error("--estimate and --tau both set the between-run variance: give one")
+    if args.tau is not None and args.tau < 0:
+        parser.error("--tau is a standard deviation: 0 or more")
     django_setup()
     ids = args.runs or measure(args)
-    report(ids, args.estimate)
+    report(ids, args.estimate, args.tau)
 
 
 if __name__ == "__main__":
