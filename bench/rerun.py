@@ -156,15 +156,15 @@ def report(run_ids, estimate_here=False, tau_percent=None):
     print(f"\n{shares['cells']} cell pairs; share with |z| <= 1.96: "
           + ", ".join(f"{c} {fmt(shares[c] and shares[c] * 100, '.0f')}%"
                       for c in calibration.Z_COLUMNS))
-    task_of = calibration.task_of        # the fold z_held_out uses
-    tasks = sorted({task_of(m.key) for m in within})
-    if len(tasks) > 1:
+    held_out = calibration.held_out_estimates(within)    # by task, the fold z_held_out uses
+    if len(held_out) > 1:
         # What z_held_out used for each task, beside the task's own estimate.
-        def sd(cells):
-            return f"{math.sqrt(calibration.between_run_variance(cells).variance) * 100:.2f}%"
+        def sd(est):
+            return f"{math.sqrt(est.variance) * 100:.2f}%"
+        own = {t: calibration.between_run_variance(
+                   [m for m in within if calibration.task_of(m.key) == t]) for t in held_out}
         print("between-run sd by task, its own cells / the other tasks' (held out): "
-              + ", ".join(f"{t} {sd([m for m in within if task_of(m.key) == t])} / "
-                          f"{sd([m for m in within if task_of(m.key) != t])}" for t in tasks))
+              + ", ".join(f"{t} {sd(own[t])} / {sd(rest)}" for t, rest in held_out.items()))
     widths = [max(m.high - m.speedup, m.speedup - m.low) / m.speedup * 100
               for m in stored if m.low is not None and m.high is not None]
     b4 = [max(m.high - m.speedup, m.speedup - m.low) / m.speedup * 100

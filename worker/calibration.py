@@ -212,6 +212,14 @@ def task_of(key) -> str:
     return key[1]
 
 
+def held_out_estimates(measured, fold=task_of) -> dict:
+    """{fold: the ``between_run_variance`` estimate of the cells of every OTHER fold}, the
+    folds in a stable order: what ``held_out_rows`` judges each fold's cells by."""
+    measured = list(measured)
+    return {f: between_run_variance([m for m in measured if fold(m.key) != f])
+            for f in sorted({fold(m.key) for m in measured}, key=repr)}
+
+
 def held_out_rows(measured, fold=task_of) -> list[ZRow]:
     """The rerun z (``z_rows`` with a between-run variance) with each cell's tau^2 estimated
     from the cells of the OTHER folds only (``between_run_variance`` over the cells whose
@@ -221,10 +229,8 @@ def held_out_rows(measured, fold=task_of) -> list[ZRow]:
     shifts are larger or smaller than the rest's shows here as |z| > 1.96 too often or too
     seldom. A row whose complement has no estimate (a single fold) gets no z."""
     measured = list(measured)
-    folds = {fold(m.key) for m in measured}
     rows = []
-    for f in sorted(folds, key=repr):
-        rest = between_run_variance([m for m in measured if fold(m.key) != f])
+    for f, rest in held_out_estimates(measured, fold).items():
         inside = [m for m in measured if fold(m.key) == f]
         if not rest.degrees_of_freedom:
             rows += [replace(r, standard_error=None, z=None) for r in z_rows(inside)]
@@ -239,11 +245,15 @@ def count_within(zs, bound: float = 1.96) -> tuple[int, int]:
     return sum(abs(z) <= bound for z in zs), len(zs)
 
 
+def _share(zs, bound: float = 1.96) -> float | None:
+    within, judged = count_within(zs, bound)
+    return within / judged if judged else None
+
+
 def share_within(rows, bound: float = 1.96) -> float | None:
     """The share of rows with a z whose |z| <= bound (calibrated: about 95% at 1.96); None
     when no row has a z."""
-    within, judged = count_within((r.z for r in rows), bound)
-    return within / judged if judged else None
+    return _share((r.z for r in rows), bound)
 
 
 def widened(measured, variance: float) -> list[Measured]:
@@ -292,8 +302,7 @@ def table_shares(rows, bound: float = 1.96) -> dict:
     (None where no row has that z), and "cells": the rows."""
     out = {"cells": len(rows)}
     for column in Z_COLUMNS:
-        within, judged = count_within((r[column] for r in rows), bound)
-        out[column] = within / judged if judged else None
+        out[column] = _share((r[column] for r in rows), bound)
     return out
 
 
